@@ -298,6 +298,8 @@ def compute_gigpo_advantages(
     step_advantages[step_group_size[step_group] == 1] = 0.0  # singleton step groups get 0 exactly
 
     advantages = episode_advantages + step_weight * step_advantages
+    # Reductions over sorted values, so the logged numbers do not depend on row order either.
+    episode_sorted, step_sorted = np.sort(episode_advantages), np.sort(step_advantages)
     stats = StepGroupStats(
         num_rows=n,
         num_step_groups=num_step_groups,
@@ -305,10 +307,10 @@ def compute_gigpo_advantages(
         step_group_size_mean=float(np.mean(step_group_size)),
         step_group_size_max=int(step_group_size.max()),
         nonzero_step_advantage_share=float(np.mean(step_advantages != 0.0)),
-        episode_advantage_mean=float(np.mean(episode_advantages)),
-        episode_advantage_std=float(np.std(episode_advantages)),
-        step_advantage_mean=float(np.mean(step_advantages)),
-        step_advantage_std=float(np.std(step_advantages)),
+        episode_advantage_mean=float(np.mean(episode_sorted)),
+        episode_advantage_std=float(np.std(episode_sorted)),
+        step_advantage_mean=float(np.mean(step_sorted)),
+        step_advantage_std=float(np.std(step_sorted)),
     )
     return GiGPOAdvantages(
         advantages=_unsort(advantages, order),
