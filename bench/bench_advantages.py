@@ -55,7 +55,8 @@ def naive_gigpo_advantages(
     value = [returns_to_go[i] - invalid_penalty * invalid[i] for i in range(n)]
 
     def norm_of(x, sample):
-        mean = sum(sample) / len(sample)
+        # Equal values: their mean is that value (sum/len would add rounding noise).
+        mean = sample[0] if len(set(sample)) == 1 else sum(sample) / len(sample)
         if norm == "mean":
             return x - mean
         std = math.sqrt(sum((s - mean) ** 2 for s in sample) / (len(sample) - 1))
