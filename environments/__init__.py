@@ -1,0 +1,1 @@
+"""Environments shipped with gigpo-trl (installed as `gigpo_trl.environments`)."""

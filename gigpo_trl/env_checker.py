@@ -1,0 +1,130 @@
+"""`check_env`: tells an environment author precisely what does not fit the contract of `gigpo_trl.envs`.
+
+Hard violations raise `EnvCheckError` (a ValueError) naming the problem; things that are legal but
+probably wrong (rewards that look cumulative, steps that do not replay) give a `UserWarning`.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+from gigpo_trl.envs import INFO_ADMISSIBLE_ACTIONS, INFO_ANCHOR, INFO_TASK, INFO_WON, TextEnv, anchor_of
+
+
+class EnvCheckError(ValueError):
+    """The environment breaks the contract of `gigpo_trl.envs`."""
+
+
+def check_env(env: TextEnv, *, seed: int = 0, options: dict[str, Any] | None = None, num_steps: int = 20) -> None:
+    """Check `env` against the contract: types, determinism of `reset` by seed, hashable anchors,
+    well-formed `info` keys, per-step rewards. The environment is reset and stepped (with its
+    admissible actions in turn, or "look") and closed at the end.
+
+    Args:
+        env: the environment to check.
+        seed: the seed for the resets.
+        options: the task options passed to `reset`.
+        num_steps: how many steps to play at most.
+
+    Raises:
+        EnvCheckError: naming the first violation found.
+    """
+    for method in ("reset", "step", "close"):
+        if not callable(getattr(env, method, None)):
+            raise EnvCheckError(f"the environment has no {method}() method")
+
+    observation, info = _checked_reset(env, seed, options)
+    again, info_again = _checked_reset(env, seed, options)
+    if (again, anchor_of(again, info_again)) != (observation, anchor_of(observation, info)):
+        raise EnvCheckError(
+            f"reset(seed={seed}) is not deterministic: two resets gave different "
+            + ("observations" if again != observation else "anchors")
+            + f" ({_short(observation)} vs {_short(again)}). GiGPO resets N copies of a task with the same seed "
+            "and groups their steps by state: an environment that ignores its seed leaves every step group a singleton."
+        )
+
+    trajectory = _play(env, info, num_steps)
+    _, info_replay = _checked_reset(env, seed, options)
+    replay = _play(env, info_replay, num_steps, actions=[action for action, _ in trajectory])
+    if replay != trajectory:
+        warnings.warn(
+            "replaying the same actions after the same reset gave different observations or rewards: transitions are "
+            "stochastic. That is allowed, but copies of a task then share fewer states.",
+            UserWarning,
+            stacklevel=2,
+        )
+    env.close()
+
+
+def _checked_reset(env: TextEnv, seed: int, options: dict[str, Any] | None) -> tuple[str, Mapping[str, Any]]:
+    result = env.reset(seed=seed, options=options)
+    if not (isinstance(result, tuple) and len(result) == 2):
+        raise EnvCheckError(f"reset() must return (observation, info), got {_short(result)}")
+    observation, info = result
+    _check_observation_and_info(observation, info, "reset()")
+    return observation, info
+
+
+def _play(env: TextEnv, info: Mapping[str, Any], num_steps: int, actions: list[str] | None = None) -> list[tuple[str, Any]]:
+    """Play up to `num_steps` steps; returns [(action, (observation, reward, terminated, truncated, anchor))]."""
+    trajectory = []
+    previous_score = info.get("score")
+    for t in range(num_steps if actions is None else len(actions)):
+        admissible = info.get(INFO_ADMISSIBLE_ACTIONS) or ["look"]
+        action = admissible[t % len(admissible)] if actions is None else actions[t]
+        result = env.step(action)
+        if not (isinstance(result, tuple) and len(result) == 5):
+            raise EnvCheckError(f"step() must return (observation, reward, terminated, truncated, info), got {_short(result)}")
+        observation, reward, terminated, truncated, info = result
+        where = f"step({action!r})"
+        _check_observation_and_info(observation, info, where)
+        if isinstance(reward, bool) or not isinstance(reward, numbers.Real) or not math.isfinite(reward):
+            raise EnvCheckError(f"{where} returned reward {reward!r}: the reward must be a finite number")
+        for name, flag in (("terminated", terminated), ("truncated", truncated)):
+            if not _is_bool(flag):
+                raise EnvCheckError(f"{where} returned {name}={flag!r}: it must be a bool")
+        score = info.get("score")
+        if isinstance(score, numbers.Real) and previous_score is not None and score != previous_score and reward == score:
+            warnings.warn(
+                f"{where}: the reward equals info['score'] ({score}) although the score changed by {score - previous_score}: "
+                "rewards look cumulative. The reward must be the reward of this step (e.g. the score difference).",
+                UserWarning,
+                stacklevel=3,
+            )
+        previous_score = score if isinstance(score, numbers.Real) else previous_score
+        trajectory.append((action, (observation, float(reward), bool(terminated), bool(truncated), anchor_of(observation, info))))
+        if terminated or truncated:
+            break
+    return trajectory
+
+
+def _check_observation_and_info(observation: Any, info: Any, where: str) -> None:
+    if not isinstance(observation, str):
+        raise EnvCheckError(f"{where} returned an observation of type {type(observation).__name__}; it must be a str")
+    if not isinstance(info, Mapping):
+        raise EnvCheckError(f"{where} returned info of type {type(info).__name__}; it must be a dict")
+    if INFO_ANCHOR in info:
+        try:
+            hash(info[INFO_ANCHOR])
+        except TypeError as exc:
+            raise EnvCheckError(f"{where}: info['anchor'] must be hashable ({exc})") from None
+    admissible = info.get(INFO_ADMISSIBLE_ACTIONS)
+    if admissible is not None and not (isinstance(admissible, list | tuple) and all(isinstance(a, str) for a in admissible)):
+        raise EnvCheckError(f"{where}: info['admissible_actions'] must be a list of str, got {_short(admissible)}")
+    if INFO_WON in info and not _is_bool(info[INFO_WON]):
+        raise EnvCheckError(f"{where}: info['won'] must be a bool, got {info[INFO_WON]!r}")
+    if INFO_TASK in info and not isinstance(info[INFO_TASK], str):
+        raise EnvCheckError(f"{where}: info['task'] must be a str, got {type(info[INFO_TASK]).__name__}")
+
+
+def _is_bool(value: Any) -> bool:
+    return isinstance(value, bool) or type(value).__name__ == "bool_"  # numpy.bool_ too
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

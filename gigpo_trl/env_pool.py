@@ -1,0 +1,300 @@
+"""`EnvPool`: G tasks x N identically-seeded copies, stepped in parallel, isolated from each other.
+
+Every environment lives in its own worker process. A step that raises, crashes the process
+(segfault, `os._exit`) or does not answer within `step_timeout` ends only that environment's
+trajectory: its output is marked truncated with the reason in `info["env_error"]`, its worker is
+replaced by a fresh one (a new environment is created at the next reset), and the rest of the
+batch goes on. With `processes=False` environments run in this process instead: exceptions are
+still caught, but a crash or a hang is not survivable (use it for pure-Python environments).
+"""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing
+import multiprocessing.connection
+import os
+import pickle
+import signal
+import time
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from gigpo_trl.envs import TextEnv, anchor_of
+
+INFO_ENV_ERROR = "env_error"
+
+
+class GroupStartMismatchWarning(UserWarning):
+    """The N copies of a task did not start in the same state: GiGPO's step groups degrade."""
+
+
+@dataclass
+class EnvOutput:
+    """What one environment returned for one reset or step (reset: reward 0, not terminated)."""
+
+    observation: str
+    reward: float = 0.0
+    terminated: bool = False
+    truncated: bool = False
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def done(self) -> bool:
+        return self.terminated or self.truncated
+
+    @property
+    def anchor(self) -> Any:
+        return anchor_of(self.observation, self.info)
+
+
+@dataclass(frozen=True)
+class Task:
+    """One task of a batch: every copy of it is reset with this seed and these options."""
+
+    seed: int | None
+    options: dict[str, Any] | None = None
+
+
+class EnvPool:
+    """G x N environments; copies `g * N ... g * N + N - 1` play task g.
+
+    Args:
+        env_fn: zero-argument callable creating one environment (e.g. `gigpo_trl.envs.env_factory(...)`).
+            With process isolation it runs in the worker, so it can create unpicklable environments.
+        num_groups: G, the number of tasks per batch.
+        group_size: N, the number of copies of each task.
+        step_timeout: seconds a step may take before its environment is declared hung.
+        reset_timeout: seconds a reset may take (first resets may generate games on disk).
+        processes: one worker process per environment (True) or everything in this process (False).
+        start_method: multiprocessing start method; default "fork" where available (fast, and works
+            with environments defined in a notebook), else "spawn".
+        name: the environment's name, used in warnings.
+    """
+
+    def __init__(
+        self,
+        env_fn: Callable[[], TextEnv],
+        num_groups: int,
+        group_size: int,
+        *,
+        step_timeout: float = 30.0,
+        reset_timeout: float = 600.0,
+        processes: bool = True,
+        start_method: str | None = None,
+        name: str | None = None,
+    ):
+        if num_groups < 1 or group_size < 1:
+            raise ValueError(f"num_groups and group_size must be >= 1, got {num_groups} and {group_size}")
+        if step_timeout <= 0 or reset_timeout <= 0:
+            raise ValueError(f"timeouts must be > 0, got step_timeout={step_timeout}, reset_timeout={reset_timeout}")
+        self.env_fn = env_fn
+        self.num_groups, self.group_size = num_groups, group_size
+        self.step_timeout, self.reset_timeout = step_timeout, reset_timeout
+        self.processes = processes
+        self.name = name or getattr(env_fn, "__name__", repr(env_fn))
+        self.num_restarts = 0
+        self._last_observations = [""] * self.num_envs
+        if processes:
+            method = start_method or ("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
+            self._context = multiprocessing.get_context(method)
+            gc.freeze()  # forked workers then share the parent's objects instead of copying them on gc
+            try:
+                self._workers = [_Worker(self._context, env_fn) for _ in range(self.num_envs)]
+            finally:
+                gc.unfreeze()
+        else:
+            self._inline_envs: list[TextEnv | None] = [None] * self.num_envs
+
+    @property
+    def num_envs(self) -> int:
+        return self.num_groups * self.group_size
+
+    def group_of(self, env_id: int) -> int:
+        return env_id // self.group_size
+
+    def reset(self, tasks: Sequence[Task]) -> list[EnvOutput]:
+        """Reset all G x N environments, N copies per task; returns one output per environment.
+
+        A copy whose reset fails comes back truncated with `info["env_error"]`. If the copies of a
+        task do not start in the same state, a `GroupStartMismatchWarning` names the environment.
+        """
+        if len(tasks) != self.num_groups:
+            raise ValueError(f"reset needs one task per group: got {len(tasks)} tasks for {self.num_groups} groups")
+        requests = {i: ("reset", tasks[self.group_of(i)]) for i in range(self.num_envs)}
+        outputs = self._run(requests, self.reset_timeout)
+        self._check_group_starts(tasks, outputs)
+        return [outputs[i] for i in range(self.num_envs)]
+
+    def step(self, actions: Mapping[int, str]) -> dict[int, EnvOutput]:
+        """Step the environments named by `actions` (env id -> action text) in parallel."""
+        unknown = [i for i in actions if not 0 <= i < self.num_envs]
+        if unknown:
+            raise ValueError(f"unknown environment ids {unknown}; the pool has ids 0..{self.num_envs - 1}")
+        return self._run({i: ("step", action) for i, action in actions.items()}, self.step_timeout)
+
+    def close(self) -> None:
+        if self.processes:
+            for worker in self._workers:
+                worker.close()
+        else:
+            for env in self._inline_envs:
+                if env is not None:
+                    env.close()
+
+    def __enter__(self) -> EnvPool:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # ----------------------------------------------------------------------------------------
+
+    def _run(self, requests: dict[int, tuple[str, Any]], timeout: float) -> dict[int, EnvOutput]:
+        replies = self._run_in_processes(requests, timeout) if self.processes else self._run_inline(requests)
+        outputs = {}
+        for i, (status, payload) in replies.items():
+            if status == "ok":
+                outputs[i] = payload
+                self._last_observations[i] = payload.observation
+            else:
+                outputs[i] = EnvOutput(self._last_observations[i], truncated=True, info={INFO_ENV_ERROR: payload})
+        return outputs
+
+    def _run_inline(self, requests: dict[int, tuple[str, Any]]) -> dict[int, tuple[str, Any]]:
+        replies = {}
+        for i, (command, argument) in requests.items():
+            try:
+                if self._inline_envs[i] is None:
+                    self._inline_envs[i] = self.env_fn()
+                replies[i] = ("ok", _execute(self._inline_envs[i], command, argument))
+            except Exception as exc:  # an environment's failure ends only its own trajectory
+                replies[i] = ("error", _describe(exc))
+                self._inline_envs[i] = None
+                self.num_restarts += 1
+        return replies
+
+    def _run_in_processes(self, requests: dict[int, tuple[str, Any]], timeout: float) -> dict[int, tuple[str, Any]]:
+        replies, pending = {}, {}
+        for i, request in requests.items():
+            if self._workers[i].send(request):
+                pending[self._workers[i].connection] = i
+            else:
+                replies[i] = ("error", self._replace_worker(i, "worker process was dead before the request"))
+        deadline = time.monotonic() + timeout
+        while pending and (remaining := deadline - time.monotonic()) > 0:
+            for connection in multiprocessing.connection.wait(list(pending), timeout=remaining):
+                i = pending.pop(connection)
+                reply = self._workers[i].receive()
+                if reply is None:
+                    replies[i] = ("error", self._replace_worker(i, "worker process died"))
+                elif reply[0] == "error":  # the environment may be in any state now: start afresh
+                    replies[i] = ("error", self._replace_worker(i, reply[1]))
+                else:
+                    replies[i] = reply
+        for i in pending.values():
+            replies[i] = ("error", self._replace_worker(i, f"no answer within {timeout:g} s (hung)"))
+        return replies
+
+    def _replace_worker(self, env_id: int, reason: str) -> str:
+        """Kill the worker of `env_id`, start a fresh one; returns the reason with the exit status."""
+        status = self._workers[env_id].kill()
+        self._workers[env_id] = _Worker(self._context, self.env_fn)
+        self.num_restarts += 1
+        return f"{reason}{status}; environment restarted"
+
+    def _check_group_starts(self, tasks: Sequence[Task], outputs: dict[int, EnvOutput]) -> None:
+        for g, task in enumerate(tasks):
+            copies = [outputs[i] for i in range(g * self.group_size, (g + 1) * self.group_size)]
+            anchors = [output.anchor for output in copies if INFO_ENV_ERROR not in output.info]
+            distinct = len(set(anchors))
+            if distinct > 1:
+                warnings.warn(
+                    f"environment {self.name!r}: the {len(anchors)} copies of task {g} (seed {task.seed}, options "
+                    f"{task.options}) started in {distinct} different states. The environment ignores its seed or "
+                    "options, so copies cannot share anchor states and GiGPO degrades to GRPO.",
+                    GroupStartMismatchWarning,
+                    stacklevel=3,
+                )
+
+
+def _execute(env: TextEnv, command: str, argument: Any) -> EnvOutput:
+    """Run one reset or step on `env` and normalize what it returns."""
+    if command == "reset":
+        observation, info = env.reset(seed=argument.seed, options=argument.options)
+        return EnvOutput(str(observation), info=dict(info))
+    observation, reward, terminated, truncated, info = env.step(argument)
+    return EnvOutput(str(observation), float(reward), bool(terminated), bool(truncated), dict(info))
+
+
+def _describe(exc: BaseException) -> str:
+    return f"environment raised {type(exc).__name__}: {exc}"
+
+
+class _Worker:
+    """One worker process owning one environment, spoken to over a pipe."""
+
+    def __init__(self, context: multiprocessing.context.BaseContext, env_fn: Callable[[], TextEnv]):
+        self.connection, child_end = context.Pipe()
+        self.process = context.Process(target=_serve, args=(child_end, env_fn), daemon=True)
+        self.process.start()
+        child_end.close()
+
+    def send(self, request: tuple[str, Any]) -> bool:
+        try:
+            self.connection.send(request)
+        except (BrokenPipeError, OSError):
+            return False
+        return True
+
+    def receive(self) -> tuple[str, Any] | None:
+        try:
+            return self.connection.recv()
+        except (EOFError, OSError):
+            return None
+
+    def kill(self) -> str:
+        """Stop the process for good; returns how it had ended by itself (e.g. " (killed by SIGSEGV)") or ""."""
+        killed_here = self.process.is_alive()
+        if killed_here:
+            self.process.kill()
+        self.process.join(timeout=5)
+        self.connection.close()
+        code = self.process.exitcode
+        if killed_here or not code:
+            return ""
+        return f" (killed by {signal.Signals(-code).name})" if code < 0 else f" (exit code {code})"
+
+    def close(self) -> None:
+        if self.send(("close", None)):
+            self.process.join(timeout=5)
+        self.kill()
+
+
+def _serve(connection: multiprocessing.connection.Connection, env_fn: Callable[[], TextEnv]) -> None:
+    """Worker process: create the environment on first use, answer requests until told to close."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
+    parent = os.getppid()
+    env = None
+    while True:
+        if not connection.poll(1.0):
+            if os.getppid() != parent:  # the trainer is gone
+                return
+            continue
+        try:
+            command, argument = connection.recv()
+        except EOFError:
+            return
+        if command == "close":
+            if env is not None:
+                env.close()
+            return
+        try:
+            if env is None:
+                env = env_fn()
+            reply = pickle.dumps(("ok", _execute(env, command, argument)))
+        except Exception as exc:  # reported to the pool, which restarts this worker
+            reply = pickle.dumps(("error", _describe(exc)))
+        connection.send_bytes(reply)

@@ -1,0 +1,125 @@
+"""The environment contract, the environment registry and `make_env`.
+
+An environment is any object with Gymnasium's API, with text in and text out, so a `gymnasium.Env`
+whose observations and actions are strings plugs in unchanged:
+
+    obs, info = env.reset(seed=S, options=task_or_None)
+    obs, reward, terminated, truncated, info = env.step(action)      # action: str
+    env.close()
+
+- `obs` is the clean text the agent sees; `reward` is the reward of this step (not cumulative).
+- The same `seed` and `options` give the same initial state (and so the same initial anchor).
+- Optional `info` keys:
+    `anchor`             hashable exact key of the state the next action is taken in (default: `obs`)
+    `admissible_actions` list of str, the actions that make sense now
+    `won`                bool, the task is solved
+    `task`               str, the goal text
+
+`check_env` (in `gigpo_trl.env_checker`) tells a plug-in author precisely what does not fit.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from collections.abc import Callable, Hashable, Mapping
+from typing import Any, Protocol, runtime_checkable
+
+INFO_ANCHOR = "anchor"
+INFO_ADMISSIBLE_ACTIONS = "admissible_actions"
+INFO_WON = "won"
+INFO_TASK = "task"
+
+
+@runtime_checkable
+class TextEnv(Protocol):
+    """The contract (structural: no base class needed)."""
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[str, dict[str, Any]]: ...
+
+    def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]: ...
+
+    def close(self) -> None: ...
+
+
+EnvFactory = Callable[..., TextEnv]
+
+
+def anchor_of(observation: str, info: Mapping[str, Any]) -> Hashable:
+    """The anchor key of a state: `info["anchor"]` when the environment gives one, else the observation."""
+    return info.get(INFO_ANCHOR, observation)
+
+
+# Name -> factory, or "module:attribute" of a factory imported on first use (keeps heavy
+# dependencies such as TextWorld out of `import gigpo_trl`).
+_REGISTRY: dict[str, EnvFactory | str] = {
+    "sokoban": "gigpo_trl.environments.sokoban:SokobanEnv",
+    "textworld": "gigpo_trl.environments.textworld_games:TextWorldEnv",
+}
+
+
+def register_env(name: str, factory: EnvFactory | str, *, overwrite: bool = False) -> None:
+    """Register an environment under `name` for `make_env(name, **kwargs)`.
+
+    Args:
+        name: the name users pass to `make_env` or to `GiGPOConfig.env_name`.
+        factory: a callable `factory(**kwargs) -> env`, or a "module:attribute" string naming one.
+        overwrite: replace an existing registration instead of raising.
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"an environment name must be a non-empty str, got {name!r}")
+    if not (callable(factory) or (isinstance(factory, str) and ":" in factory)):
+        raise ValueError(f"factory for {name!r} must be a callable or a 'module:attribute' string, got {factory!r}")
+    if name in _REGISTRY and not overwrite:
+        raise ValueError(f"an environment named {name!r} is already registered; pass overwrite=True to replace it")
+    _REGISTRY[name] = factory
+
+
+def registered_envs() -> list[str]:
+    """Names `make_env` knows (gymnasium's registry comes on top)."""
+    return sorted(_REGISTRY)
+
+
+def make_env(env: str | EnvFactory, **kwargs: Any) -> TextEnv:
+    """Create an environment.
+
+    Args:
+        env: a name given to `register_env` (built in: "textworld", "sokoban"), an id registered with
+            `gymnasium`, or any callable returning an environment.
+        **kwargs: passed to the factory (or to `gymnasium.make`).
+    """
+    if callable(env):
+        return env(**kwargs)
+    if not isinstance(env, str):
+        raise ValueError(f"env must be a registered name or a callable, got {type(env).__name__}")
+    if env in _REGISTRY:
+        return _resolve(_REGISTRY[env])(**kwargs)
+    gymnasium_ids = _gymnasium_ids()
+    if env in gymnasium_ids:
+        import gymnasium  # noqa: PLC0415 (optional dependency)
+
+        return gymnasium.make(env, **kwargs)
+    raise ValueError(
+        f"unknown environment {env!r}; registered: {registered_envs()}"
+        + ("" if gymnasium_ids else " (gymnasium ids are accepted too when gymnasium is installed)")
+    )
+
+
+def env_factory(env: str | EnvFactory, **kwargs: Any) -> Callable[[], TextEnv]:
+    """A zero-argument factory for `make_env(env, **kwargs)`, e.g. for `EnvPool`."""
+    return functools.partial(make_env, env, **kwargs)
+
+
+def _resolve(factory: EnvFactory | str) -> EnvFactory:
+    if callable(factory):
+        return factory
+    module_name, _, attribute = factory.partition(":")
+    return getattr(importlib.import_module(module_name), attribute)
+
+
+def _gymnasium_ids() -> set[str]:
+    try:
+        import gymnasium  # noqa: PLC0415 (optional dependency)
+    except ImportError:
+        return set()
+    return set(gymnasium.registry)

@@ -1,0 +1,113 @@
+"""EnvPool: N identically-seeded copies per task, parallel steps, faults isolated per environment."""
+
+from __future__ import annotations
+
+import time
+import warnings
+
+import pytest
+from toy_envs import Corridor, FailingReset, FragileCorridor, UnseededCorridor
+
+from gigpo_trl.env_pool import INFO_ENV_ERROR, EnvPool, GroupStartMismatchWarning, Task
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def fragile_pool():
+    with EnvPool(FragileCorridor, num_groups=2, group_size=2, step_timeout=2.0, name="fragile") as pool:
+        pool.reset([Task(seed=0), Task(seed=1)])
+        yield pool
+
+
+def test_copies_of_a_task_start_in_the_same_state_and_tasks_differ():
+    with EnvPool(Corridor, num_groups=2, group_size=3) as pool:
+        outputs = pool.reset([Task(seed=1), Task(seed=None, options={"length": 6})])
+
+    assert [o.anchor for o in outputs] == [(4, 0)] * 3 + [(6, 0)] * 3
+    assert [pool.group_of(i) for i in range(6)] == [0, 0, 0, 1, 1, 1]
+
+
+def test_steps_only_the_environments_asked_for():
+    with EnvPool(Corridor, num_groups=1, group_size=3) as pool:
+        pool.reset([Task(seed=0)])  # length 3
+        first = pool.step({0: "right", 2: "left"})
+        second = pool.step({0: "right"})
+
+    assert sorted(first) == [0, 2] and first[0].anchor == (3, 1) and first[2].anchor == (3, 0)
+    assert second[0].terminated and second[0].reward == 1.0 and second[0].info["won"]
+
+
+@pytest.mark.parametrize(
+    ("action", "reason"),
+    [
+        ("exit", "worker process died (exit code 3)"),
+        ("segfault", "worker process died (killed by SIGSEGV)"),
+        ("raise", "environment raised RuntimeError: the interpreter broke"),
+        ("unpicklable", "environment raised"),
+        ("hang", "no answer within 2 s (hung)"),
+    ],
+)
+def test_a_failing_environment_ends_only_its_own_trajectory(fragile_pool, action, reason):
+    started = time.monotonic()
+    outputs = fragile_pool.step({0: action, 1: "right", 2: "right", 3: "left"})
+
+    assert time.monotonic() - started < 10
+    failed = outputs[0]
+    assert failed.truncated and not failed.terminated and failed.reward == 0.0
+    assert failed.info[INFO_ENV_ERROR].startswith(reason) and "environment restarted" in failed.info[INFO_ENV_ERROR]
+    assert failed.observation == "You are in cell 0 of a corridor of 3 cells."  # the last one seen
+    assert [outputs[i].anchor for i in (1, 2, 3)] == [(3, 1), (4, 1), (4, 0)]
+    assert not any(INFO_ENV_ERROR in outputs[i].info for i in (1, 2, 3))
+    # The restarted environment plays again after the next reset.
+    assert fragile_pool.num_restarts == 1
+    fragile_pool.reset([Task(seed=0), Task(seed=1)])
+    assert fragile_pool.step({0: "right"})[0].anchor == (3, 1)
+
+
+def test_a_failing_reset_comes_back_truncated():
+    with EnvPool(FailingReset, num_groups=1, group_size=2) as pool:
+        outputs = pool.reset([Task(seed=0)])
+
+    assert all(o.truncated and "environment raised OSError: game file missing" in o.info[INFO_ENV_ERROR] for o in outputs)
+
+
+def test_copies_that_start_differently_give_a_loud_warning_naming_the_environment():
+    with EnvPool(UnseededCorridor, num_groups=1, group_size=8, name="unseeded-corridor") as pool:
+        with pytest.warns(GroupStartMismatchWarning, match="'unseeded-corridor'.*task 0 \\(seed 5.*different states"):
+            pool.reset([Task(seed=5, options={"length": 30})])
+
+
+def test_seeded_copies_give_no_warning():
+    with EnvPool(Corridor, num_groups=2, group_size=4) as pool, warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pool.reset([Task(seed=0), Task(seed=1)])
+
+
+def test_in_process_pool_catches_exceptions():
+    with EnvPool(FragileCorridor, num_groups=1, group_size=2, processes=False) as pool:
+        pool.reset([Task(seed=0)])
+        outputs = pool.step({0: "raise", 1: "right"})
+
+    assert outputs[0].truncated and "RuntimeError" in outputs[0].info[INFO_ENV_ERROR]
+    assert outputs[1].anchor == (3, 1)
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda: EnvPool(Corridor, num_groups=0, group_size=2), "num_groups and group_size must be >= 1"),
+        (lambda: EnvPool(Corridor, num_groups=1, group_size=2, step_timeout=0), "timeouts must be > 0"),
+    ],
+)
+def test_bad_pool_arguments(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+def test_bad_requests_name_the_problem():
+    with EnvPool(Corridor, num_groups=2, group_size=2, processes=False) as pool:
+        with pytest.raises(ValueError, match="one task per group: got 1 tasks for 2 groups"):
+            pool.reset([Task(seed=0)])
+        with pytest.raises(ValueError, match=r"unknown environment ids \[7\]"):
+            pool.step({7: "left"})

@@ -1,0 +1,106 @@
+"""The environment contract: registry, make_env, gymnasium environments, check_env."""
+
+from __future__ import annotations
+
+import gymnasium
+import pytest
+from toy_envs import Corridor, GuessTheNumber, UnseededCorridor
+
+from gigpo_trl.env_checker import EnvCheckError, check_env
+from gigpo_trl.env_pool import EnvPool, Task
+from gigpo_trl.envs import anchor_of, env_factory, make_env, register_env, registered_envs
+
+gymnasium.register(id="GuessTheNumber-v0", entry_point=GuessTheNumber)
+
+
+def test_registered_names_callables_and_gymnasium_ids_all_make_environments():
+    register_env("test-corridor", Corridor, overwrite=True)
+
+    assert "test-corridor" in registered_envs() and {"sokoban", "textworld"} <= set(registered_envs())
+    assert make_env("test-corridor").reset(seed=2)[1]["anchor"] == (5, 0)
+    assert make_env(Corridor).reset(seed=0)[1]["anchor"] == (3, 0)
+    assert make_env("GuessTheNumber-v0").reset(seed=0)[0] == "Guess a number from 1 to 9."
+
+
+def test_a_gymnasium_text_environment_works_through_the_contract_and_the_pool():
+    check_env(make_env("GuessTheNumber-v0"))
+
+    with EnvPool(env_factory("GuessTheNumber-v0"), num_groups=1, group_size=9) as pool:
+        pool.reset([Task(seed=3)])
+        outputs = pool.step({i: str(i + 1) for i in range(9)})
+
+    winners = [i for i, o in outputs.items() if o.info["won"]]
+    assert len(winners) == 1 and outputs[winners[0]].reward == 10.0 and outputs[winners[0]].terminated
+
+
+def test_registry_errors_name_the_problem():
+    register_env("test-twice", Corridor, overwrite=True)
+    with pytest.raises(ValueError, match="'test-twice' is already registered"):
+        register_env("test-twice", Corridor)
+    with pytest.raises(ValueError, match="must be a callable or a 'module:attribute' string"):
+        register_env("test-bad", 42)
+    with pytest.raises(ValueError, match=r"unknown environment 'no-such-env'; registered: \[.*'sokoban'"):
+        make_env("no-such-env")
+
+
+def test_anchor_defaults_to_the_observation():
+    assert anchor_of("You see a door.", {}) == "You see a door."
+    assert anchor_of("You see a door.", {"anchor": 7}) == 7
+
+
+def test_check_env_accepts_a_conforming_environment():
+    check_env(Corridor())
+
+
+def test_check_env_catches_a_non_deterministic_reset():
+    with pytest.raises(EnvCheckError, match=r"reset\(seed=0\) is not deterministic.*ignores its seed"):
+        check_env(UnseededCorridor(), options={"length": 50})
+
+
+class _Broken(Corridor):
+    def __init__(self, **overrides):
+        self.overrides = overrides
+
+    def reset(self, *, seed=None, options=None):
+        observation, info = super().reset(seed=seed, options=options)
+        return self.overrides.get("observation", observation), {**info, **self.overrides.get("info", {})}
+
+    def step(self, action):
+        observation, reward, terminated, truncated, info = super().step(action)
+        return observation, self.overrides.get("reward", reward), terminated, truncated, {**info, **self.overrides.get("info", {})}
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"observation": ["cell", 0]}, "observation of type list; it must be a str"),
+        ({"info": {"anchor": ["cell", 0]}}, r"info\['anchor'\] must be hashable"),
+        ({"info": {"admissible_actions": "left"}}, r"info\['admissible_actions'\] must be a list of str"),
+        ({"info": {"won": "no"}}, r"info\['won'\] must be a bool"),
+        ({"info": {"task": 3}}, r"info\['task'\] must be a str"),
+        ({"reward": "1"}, "reward '1': the reward must be a finite number"),
+        ({"reward": float("nan")}, "the reward must be a finite number"),
+    ],
+)
+def test_check_env_names_each_violation(overrides, message):
+    with pytest.raises(EnvCheckError, match=message):
+        check_env(_Broken(**overrides))
+
+
+class _CumulativeScore(Corridor):
+    """Reports the running score as the reward: a classic plug-in mistake."""
+
+    def reset(self, *, seed=None, options=None):
+        self.score = 0
+        observation, info = super().reset(seed=seed, options=options)
+        return observation, {**info, "score": 0}
+
+    def step(self, action):
+        observation, reward, terminated, truncated, info = super().step(action)
+        self.score += 1 if action == "right" else 0
+        return observation, float(self.score), terminated, truncated, {**info, "score": self.score}
+
+
+def test_check_env_warns_about_cumulative_rewards():
+    with pytest.warns(UserWarning, match="rewards look cumulative"):
+        check_env(_CumulativeScore(), options={"length": 10})

@@ -1,0 +1,65 @@
+"""Step prompts and the action parser."""
+
+from __future__ import annotations
+
+import pytest
+
+from gigpo_trl.parsing import parse_action
+from gigpo_trl.prompts import PromptTemplate, build_messages, template_for
+
+ACTIONS = ["go north", "take red key", "take key", "open door"]
+
+
+def test_prompt_shows_task_last_k_steps_observation_numbered_actions_and_instruction():
+    history = [("obs 0", "look"), ("obs 1", "go north"), ("obs 2", "take key")]
+    messages = build_messages("obs 3", step=3, task="Find the key.", history=history, admissible_actions=ACTIONS, history_length=2)
+
+    assert [m["role"] for m in messages] == ["system", "user"]
+    user = messages[1]["content"]
+    assert user.startswith("Your task: Find the key.")
+    assert "obs 0" not in user and "[Step 1] Observation: obs 1\n[Step 1] Your action: go north" in user
+    assert "[Step 2] Your action: take key" in user
+    assert "Current observation (step 3):\nobs 3" in user
+    assert "Admissible actions:\n1. go north\n2. take red key\n3. take key\n4. open door" in user
+    assert user.endswith(PromptTemplate().instruction)
+
+
+def test_prompt_without_history_actions_or_system():
+    messages = build_messages("A room.", history=[("before", "look")], history_length=0, template=PromptTemplate(system=""))
+
+    assert messages == [{"role": "user", "content": "Current observation (step 0):\nA room.\n\n" + PromptTemplate().instruction}]
+    with pytest.raises(ValueError, match="history_length must be >= 0"):
+        build_messages("A room.", history_length=-1)
+
+
+def test_each_shipped_environment_has_a_template():
+    assert "Sokoban" in template_for("sokoban").system
+    assert template_for("textworld") == template_for("my-own-env") == PromptTemplate()
+
+
+@pytest.mark.parametrize(
+    ("answer", "action", "valid", "match"),
+    [
+        ("<think>the key is here</think><action>take key</action>", "take key", True, "exact"),
+        ("<action>  Take   KEY </action>", "take key", True, "case"),
+        ("<action>3</action>", "take key", True, "number"),
+        ("<action>(2)</action>", "take red key", True, "number"),
+        ("<action>9</action>", "9", True, None),  # out of range: sent as it is
+        ("<action>I will take red key now</action>", "take red key", True, "contained"),
+        ("<action>I will take the red key now</action>", "I will take the red key now", True, None),
+        ("I should go north.", "go north", False, "contained"),  # no tags: mapped, but invalid
+        ("<think>go north or open door?</think>", "", False, None),  # thinking only
+        ("<action>go north</action><action>open door</action>", "open door", False, "exact"),  # two actions
+        ("<action></action>", "", False, None),
+        ("<action>dance wildly\nand sing</action>", "dance wildly", True, None),
+        ("take key and open door", "take key and open door", False, None),  # two candidates: no unique match
+    ],
+)
+def test_parse_action(answer, action, valid, match):
+    parsed = parse_action(answer, ACTIONS)
+
+    assert (parsed.action, parsed.valid, parsed.match) == (action, valid, match)
+
+
+def test_parse_action_without_admissible_actions_sends_the_text():
+    assert parse_action("<action>push box</action>").action == "push box"

@@ -1,0 +1,88 @@
+"""Small real environments for the contract, pool and checker tests."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import random
+import string
+import time
+
+import gymnasium
+
+
+class Corridor:
+    """Cells 0..L-1; start at 0, win at L-1. The seed sets L = 3 + seed % 4 (options: {"length": L})."""
+
+    def reset(self, *, seed=None, options=None):
+        self.length = (options or {}).get("length", 3 + (seed or 0) % 4)
+        self.position = 0
+        return self._observation(), self._info()
+
+    def step(self, action):
+        if action == "right":
+            self.position = min(self.position + 1, self.length - 1)
+        elif action == "left":
+            self.position = max(self.position - 1, 0)
+        won = self.position == self.length - 1
+        return self._observation(), 1.0 if won else 0.0, won, False, self._info()
+
+    def close(self):
+        pass
+
+    def _observation(self):
+        return f"You are in cell {self.position} of a corridor of {self.length} cells."
+
+    def _info(self):
+        return {"anchor": (self.length, self.position), "admissible_actions": ["left", "right"],
+                "won": self.position == self.length - 1, "task": "Reach the last cell."}
+
+
+class FragileCorridor(Corridor):
+    """A corridor whose process fails for real on some actions."""
+
+    def step(self, action):
+        if action == "exit":
+            os._exit(3)
+        if action == "segfault":
+            ctypes.string_at(0)
+        if action == "hang":
+            time.sleep(3600)
+        if action == "raise":
+            raise RuntimeError("the interpreter broke")
+        if action == "unpicklable":
+            return "obs", 0.0, False, False, {"handle": lambda: None}
+        return super().step(action)
+
+
+class FailingReset(Corridor):
+    def reset(self, *, seed=None, options=None):
+        raise OSError("game file missing")
+
+
+class UnseededCorridor(Corridor):
+    """Ignores its seed: the start cell is random."""
+
+    def reset(self, *, seed=None, options=None):
+        observation, info = super().reset(seed=seed, options=options)
+        self.position = random.SystemRandom().randrange(self.length - 1)
+        return self._observation(), self._info()
+
+
+class GuessTheNumber(gymnasium.Env):
+    """A gymnasium environment with text observations and text actions."""
+
+    observation_space = gymnasium.spaces.Text(max_length=200, charset=string.printable)
+    action_space = gymnasium.spaces.Text(max_length=20, charset=string.printable)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.secret = int(self.np_random.integers(1, 10))
+        return "Guess a number from 1 to 9.", {"anchor": "start", "admissible_actions": [str(k) for k in range(1, 10)]}
+
+    def step(self, action):
+        guess = int(action) if action.strip().isdigit() else 0
+        won = guess == self.secret
+        hint = "right" if won else ("too low" if guess < self.secret else "too high")
+        info = {"anchor": ("after", guess), "admissible_actions": [str(k) for k in range(1, 10)], "won": won}
+        return f"{guess} is {hint}.", 10.0 if won else 0.0, won, False, info
