@@ -182,14 +182,14 @@ class EnvPool:
             if self._workers[i].send(request):
                 pending[self._workers[i].connection] = i
             else:
-                replies[i] = ("error", self._replace_worker(i, "worker process was dead before the request"))
+                replies[i] = ("error", self._replace_worker(i, "worker process was dead before the request", died=True))
         deadline = time.monotonic() + timeout
         while pending and (remaining := deadline - time.monotonic()) > 0:
             for connection in multiprocessing.connection.wait(list(pending), timeout=remaining):
                 i = pending.pop(connection)
                 reply = self._workers[i].receive()
                 if reply is None:
-                    replies[i] = ("error", self._replace_worker(i, "worker process died"))
+                    replies[i] = ("error", self._replace_worker(i, "worker process died", died=True))
                 elif reply[0] == "error":  # the environment may be in any state now: start afresh
                     replies[i] = ("error", self._replace_worker(i, reply[1]))
                 else:
@@ -198,9 +198,10 @@ class EnvPool:
             replies[i] = ("error", self._replace_worker(i, f"no answer within {timeout:g} s (hung)"))
         return replies
 
-    def _replace_worker(self, env_id: int, reason: str) -> str:
-        """Kill the worker of `env_id`, start a fresh one; returns the reason with the exit status."""
-        status = self._workers[env_id].kill()
+    def _replace_worker(self, env_id: int, reason: str, died: bool = False) -> str:
+        """Kill the worker of `env_id` (`died`: it is exiting by itself), start a fresh one; returns the
+        reason with the exit status."""
+        status = self._workers[env_id].kill(grace=5.0 if died else 0.0)
         self._workers[env_id] = _Worker(self._context, self.env_fn)
         self.num_restarts += 1
         return f"{reason}{status}; environment restarted"
@@ -255,8 +256,10 @@ class _Worker:
         except (EOFError, OSError):
             return None
 
-    def kill(self) -> str:
-        """Stop the process for good; returns how it had ended by itself (e.g. " (killed by SIGSEGV)") or ""."""
+    def kill(self, grace: float = 0.0) -> str:
+        """Stop the process for good, after waiting `grace` seconds for it to end by itself; returns how it
+        had ended by itself (e.g. " (killed by SIGSEGV)") or "" if it had to be killed."""
+        self.process.join(timeout=grace)
         killed_here = self.process.is_alive()
         if killed_here:
             self.process.kill()
