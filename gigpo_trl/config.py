@@ -1,0 +1,156 @@
+"""`GiGPOConfig`: TRL's `GRPOConfig` plus the GiGPO and environment fields."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from trl import GRPOConfig
+
+from gigpo_trl.advantages import EPISODE_STATS_MODES, NORM_MODES
+
+# Loss types whose normalization ignores rows with a zero loss mask (the rows that keep processes
+# in lock-step). "grpo", "sapo", "dr_grpo" and "luspo" average over rows, so padding would dilute them.
+SUPPORTED_LOSS_TYPES = ("dapo", "bnpo", "cispo", "vespo")
+
+
+@dataclass
+class GiGPOConfig(GRPOConfig):
+    r"""
+    Configuration of [`GiGPOTrainer`]: every field of TRL's `GRPOConfig`, plus the fields below.
+
+    `num_generations` is the group size N: the number of identically-seeded copies of each task.
+    Every environment step is one training sample. The defaults are those of the GiGPO paper
+    (arXiv 2505.10978) and its reference implementation.
+
+    On a machine without CUDA, `bf16` defaults to False (bf16 matmuls are about 10x slower on CPUs
+    without bf16 instructions); set it explicitly to override.
+    """
+
+    # GiGPO
+    gamma: float = field(
+        default=0.95, metadata={"help": "Discount of the step return-to-go G_t = r_t + gamma * G_{t+1} (in [0, 1])."}
+    )
+    step_advantage_weight: float = field(
+        default=1.0,
+        metadata={"help": "omega in A = A_E + omega * A_S. 0 gives step-wise GRPO, the baseline for comparisons."},
+    )
+    advantage_norm: str = field(
+        default="mean_std",
+        metadata={"help": "Normalization of both advantages: 'mean_std' ((x - mean) / (std + 1e-6)) or 'mean' (x - mean).",
+                  "choices": list(NORM_MODES)},
+    )
+    episode_stats: str = field(
+        default="steps",
+        metadata={"help": "Statistics of the episode advantage: over all step rows of the group ('steps', the "
+                  "reference code) or one score per trajectory ('trajectories', the paper's Eq. 3).",
+                  "choices": list(EPISODE_STATS_MODES)},
+    )
+    invalid_action_penalty: float = field(
+        default=0.1,
+        metadata={"help": "Subtracted from the episode score and step value of a step whose answer breaks the "
+                  "<action>...</action> format."},
+    )
+    similarity_threshold: float | None = field(
+        default=None,
+        metadata={"help": "None: steps share a step group when their anchor states are equal. A value in (0, 1]: "
+                  "text anchors whose similarity ratio reaches it share a step group (e.g. 0.95)."},
+    )
+
+    # Environment and rollout
+    env_name: str = field(
+        default="sokoban",
+        metadata={"help": "Environment: a name registered with gigpo_trl.register_env ('textworld', 'sokoban', ...) "
+                  "or a gymnasium id."},
+    )
+    env_kwargs: dict[str, Any] | str | None = field(
+        default=None,
+        metadata={"help": "Keyword arguments of the environment's factory (a dict, or JSON on the command line)."},
+    )
+    max_env_steps: int = field(
+        default=50, metadata={"help": "Steps after which an episode is cut off (a failure, logged as truncated)."}
+    )
+    history_length: int = field(
+        default=2, metadata={"help": "K: the number of previous (observation, action) pairs shown in a step's prompt."}
+    )
+    step_timeout: float = field(
+        default=30.0,
+        metadata={"help": "Seconds an environment step may take; a hung environment ends its own trajectory only."},
+    )
+    env_processes: bool = field(
+        default=True,
+        metadata={"help": "Run each environment in its own worker process (survives crashes and hangs). False runs "
+                  "them in the trainer's process (only exceptions are caught)."},
+    )
+    eval_greedy: bool = field(
+        default=False,
+        metadata={"help": "Play the held-out tasks of evaluate() with greedy decoding instead of sampling."},
+    )
+    max_step_samples_per_micro_batch: int | None = field(
+        default=None,
+        metadata={"help": "Upper bound on the step samples of one forward/backward pass of the update; it bounds the "
+                  "update's peak memory whatever the episode lengths. The step samples of a rollout are split into "
+                  "steps_per_generation micro-batches; if a process has more than steps_per_generation times this "
+                  "bound, samples are drawn uniformly to fit (after the advantages are computed) and the number "
+                  "dropped is logged as gigpo/subsampled_rows. None: no bound."},
+    )
+
+    def __post_init__(self):
+        if self.bf16 is None and not self.fp16 and not _cuda_available():
+            self.bf16 = False
+        if isinstance(self.env_kwargs, str):
+            try:
+                self.env_kwargs = json.loads(self.env_kwargs)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"env_kwargs must be a dict or a JSON object string, got {self.env_kwargs!r}: {exc}") from None
+        self.env_kwargs = dict(self.env_kwargs or {})
+        super().__post_init__()
+        self._check_gigpo_fields()
+
+    def _check_gigpo_fields(self) -> None:
+        problems = []
+        if self.advantage_norm not in NORM_MODES:
+            problems.append(f"advantage_norm={self.advantage_norm!r} is not one of {NORM_MODES}")
+        if self.episode_stats not in EPISODE_STATS_MODES:
+            problems.append(f"episode_stats={self.episode_stats!r} is not one of {EPISODE_STATS_MODES}")
+        if not 0.0 <= self.gamma <= 1.0:
+            problems.append(f"gamma={self.gamma} must be in [0, 1]")
+        if self.invalid_action_penalty < 0:
+            problems.append(f"invalid_action_penalty={self.invalid_action_penalty} must be >= 0")
+        if self.similarity_threshold is not None and not 0.0 < self.similarity_threshold <= 1.0:
+            problems.append(f"similarity_threshold={self.similarity_threshold} must be None or in (0, 1]")
+        if self.max_env_steps < 1:
+            problems.append(f"max_env_steps={self.max_env_steps} must be >= 1")
+        if self.history_length < 0:
+            problems.append(f"history_length={self.history_length} must be >= 0")
+        if self.step_timeout <= 0:
+            problems.append(f"step_timeout={self.step_timeout} must be > 0")
+        if self.max_step_samples_per_micro_batch is not None and self.max_step_samples_per_micro_batch < 1:
+            problems.append(f"max_step_samples_per_micro_batch={self.max_step_samples_per_micro_batch} must be >= 1")
+        if self.loss_type not in SUPPORTED_LOSS_TYPES:
+            problems.append(
+                f"loss_type={self.loss_type!r} averages over rows, so the zero-weight rows that keep processes in "
+                f"lock-step would dilute it; use one of {SUPPORTED_LOSS_TYPES} ('dapo' is GiGPO's token mean)"
+            )
+        trajectories_per_process = self.per_device_train_batch_size * self.steps_per_generation
+        if trajectories_per_process % self.num_generations:
+            problems.append(
+                f"per_device_train_batch_size * steps_per_generation = {self.per_device_train_batch_size} * "
+                f"{self.steps_per_generation} = {trajectories_per_process} trajectories per process must be a multiple "
+                f"of num_generations={self.num_generations}, so that the copies of a task never split across processes"
+            )
+        num_generations_eval = self.num_generations_eval or self.num_generations
+        if self.per_device_eval_batch_size % num_generations_eval:
+            problems.append(
+                f"per_device_eval_batch_size={self.per_device_eval_batch_size} must be a multiple of the eval group size "
+                f"(num_generations_eval or num_generations = {num_generations_eval})"
+            )
+        if problems:
+            raise ValueError("invalid GiGPOConfig: " + "; ".join(problems))
+
+
+def _cuda_available() -> bool:
+    import torch  # noqa: PLC0415
+
+    return torch.cuda.is_available()

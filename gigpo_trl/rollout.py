@@ -1,0 +1,182 @@
+"""The multi-turn rollout: G tasks x N copies played in lock-step turns; every step is one sample.
+
+Each turn makes ONE batched generation over all live environments, then steps them all in
+parallel. Environments that finished stop generating. Across processes, every process makes the
+same number of generation calls (with a dummy prompt where it has no live environment, or as many
+prompts as the busiest process when the backend slices results by rank), so collective backends
+(ZeRO-3, FSDP, vLLM server) never hang on uneven episode lengths.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+
+from tqdm.auto import tqdm
+
+from gigpo_trl.env_pool import INFO_ENV_ERROR, EnvOutput, EnvPool, Task
+from gigpo_trl.envs import INFO_ADMISSIBLE_ACTIONS, INFO_TASK, INFO_WON
+from gigpo_trl.parsing import parse_action
+from gigpo_trl.prompts import PromptTemplate, build_messages
+
+Messages = list[dict[str, str]]
+# Sent by a process that has no live environment in a turn where others still play.
+DUMMY_PROMPT: Messages = [{"role": "user", "content": "."}]
+
+
+@dataclass
+class Completion:
+    """One generated answer: token ids of the rendered prompt and of the answer, its text, and the
+    sampling log-probs of the answer tokens when the backend returns them (vLLM)."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    text: str
+    logprobs: list[float] | None = None
+
+
+TurnGenerator = Callable[[list[Messages]], list[Completion]]
+
+
+@dataclass
+class StepSample:
+    """One step of one trajectory: one training sample."""
+
+    group: int  # task group (index of the task in the batch)
+    trajectory: int  # environment index in the pool
+    step: int  # t, 0-based
+    anchor: Hashable  # state the action was taken in
+    observation: str
+    completion: Completion
+    action: str  # what the environment received
+    valid: bool  # the answer followed the <action> format
+    reward: float  # r_t, the reward received after the action
+
+
+@dataclass
+class Episode:
+    """What happened to one trajectory."""
+
+    group: int
+    trajectory: int
+    seed: int | None
+    length: int = 0
+    episode_return: float = 0.0
+    won: bool = False
+    done: bool = False  # the episode has ended (on its own or cut off)
+    truncated: bool = False  # cut off (max_env_steps, the environment's own limit, or an environment failure)
+    env_error: str | None = None  # why the environment failed, if it did
+
+
+@dataclass
+class Rollout:
+    steps: list[StepSample] = field(default_factory=list)
+    episodes: list[Episode] = field(default_factory=list)
+    generate_calls: int = 0
+    generated_tokens: int = 0
+    generation_seconds: float = 0.0
+    env_seconds: float = 0.0
+
+
+def collect_rollout(
+    pool: EnvPool,
+    tasks: Sequence[Task],
+    generate: TurnGenerator,
+    *,
+    max_env_steps: int,
+    history_length: int = 2,
+    template: PromptTemplate | None = None,
+    max_across_processes: Callable[[int], int] = lambda n: n,
+    equal_prompt_counts: bool = False,
+    show_progress: bool = True,
+) -> Rollout:
+    """Play `pool.group_size` copies of each task until every episode ends or `max_env_steps`.
+
+    Args:
+        pool: the environments, `len(tasks) * group_size` of them.
+        tasks: one (seed, options) per group.
+        generate: turns a list of chat prompts into one `Completion` each.
+        max_env_steps: turns after which live episodes are cut off (truncated).
+        history_length: K, past (observation, action) pairs in each prompt.
+        template: prompt wording.
+        max_across_processes: the maximum of an int over all processes (identity on one process);
+            a turn happens while any process has a live environment.
+        equal_prompt_counts: pad every generation call to the busiest process's prompt count
+            (vLLM server mode and tensor-parallel colocate slice results by rank).
+        show_progress: a progress bar over turns.
+
+    Returns:
+        The step samples, one `Episode` per environment, and timing and token counts.
+    """
+    rollout = Rollout()
+    started = time.perf_counter()
+    current = pool.reset(tasks)
+    rollout.env_seconds += time.perf_counter() - started
+    episodes = [Episode(pool.group_of(i), i, tasks[pool.group_of(i)].seed) for i in range(pool.num_envs)]
+    for episode, output in zip(episodes, current):
+        _end_if_done(episode, output)
+    histories: list[list[tuple[str, str]]] = [[] for _ in range(pool.num_envs)]
+
+    turns = tqdm(range(max_env_steps), desc="rollout turns", leave=False, disable=not show_progress)
+    for t in turns:
+        live = [i for i, episode in enumerate(episodes) if not episode.done]
+        busiest = max_across_processes(len(live))
+        if busiest == 0:
+            break
+        turns.set_postfix(live=len(live))
+        prompts = [
+            build_messages(
+                current[i].observation,
+                step=t,
+                task=current[i].info.get(INFO_TASK),
+                history=histories[i],
+                admissible_actions=current[i].info.get(INFO_ADMISSIBLE_ACTIONS),
+                history_length=history_length,
+                template=template,
+            )
+            for i in live
+        ]
+        num_prompts = busiest if equal_prompt_counts else max(1, len(live))
+        prompts += [DUMMY_PROMPT] * (num_prompts - len(prompts))
+
+        started = time.perf_counter()
+        completions = generate(prompts)[: len(live)]
+        rollout.generation_seconds += time.perf_counter() - started
+        rollout.generate_calls += 1
+        rollout.generated_tokens += sum(len(c.completion_ids) for c in completions)
+
+        parsed = {i: parse_action(c.text, current[i].info.get(INFO_ADMISSIBLE_ACTIONS)) for i, c in zip(live, completions)}
+        started = time.perf_counter()
+        results = pool.step({i: p.action for i, p in parsed.items()}) if live else {}
+        rollout.env_seconds += time.perf_counter() - started
+
+        for i, completion in zip(live, completions):
+            result, episode = results[i], episodes[i]
+            rollout.steps.append(
+                StepSample(
+                    group=episode.group, trajectory=i, step=t, anchor=current[i].anchor,
+                    observation=current[i].observation, completion=completion, action=parsed[i].action,
+                    valid=parsed[i].valid, reward=result.reward,
+                )
+            )
+            histories[i].append((current[i].observation, parsed[i].action))
+            episode.length += 1
+            episode.episode_return += result.reward
+            current[i] = result
+            _end_if_done(episode, result)
+    turns.close()
+
+    for episode in episodes:
+        if not episode.done:  # cut off by max_env_steps: a failure with the reward it collected
+            episode.done = episode.truncated = True
+    rollout.episodes = episodes
+    return rollout
+
+
+def _end_if_done(episode: Episode, output: EnvOutput) -> None:
+    episode.won = bool(output.info.get(INFO_WON, False))
+    if output.done:
+        episode.done = True
+        episode.truncated = output.truncated and not output.terminated
+        episode.env_error = output.info.get(INFO_ENV_ERROR)

@@ -1,0 +1,475 @@
+"""`GiGPOTrainer`: TRL's `GRPOTrainer` with a multi-turn environment rollout and GiGPO advantages."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from accelerate.utils import gather_object
+from datasets import Dataset
+from trl import GRPOTrainer
+from trl.models.utils import disable_gradient_checkpointing
+from trl.trainer.utils import pad, use_adapter
+
+from gigpo_trl.advantages import compute_gigpo_advantages
+from gigpo_trl.config import GiGPOConfig
+from gigpo_trl.env_pool import EnvPool, Task
+from gigpo_trl.envs import TextEnv, env_factory
+from gigpo_trl.prompts import PromptTemplate, template_for
+from gigpo_trl.rollout import DUMMY_PROMPT, Completion, Messages, Rollout, collect_rollout
+
+# Above this share of singleton step groups, step advantages are almost all 0: GiGPO ~ GRPO.
+SINGLETON_WARNING_SHARE = 0.9
+
+
+def environment_reward(completions: list, **kwargs: Any) -> list[float]:
+    """Placeholder reward function: GiGPOTrainer takes rewards from the environment, never from here."""
+    raise RuntimeError("GiGPOTrainer takes rewards from the environment; environment_reward is never called")
+
+
+class GiGPOTrainer(GRPOTrainer):
+    """
+    Trainer for Group-in-Group Policy Optimization (GiGPO), from "Group-in-Group Policy Optimization for
+    LLM Agent Training" (arXiv 2505.10978).
+
+    The policy plays N identically-seeded copies of each task (`num_generations`) in a text environment,
+    one batched generation per turn; every environment step becomes its own training sample, whose
+    advantage is an episode advantage over the group's trajectories plus `step_advantage_weight` times a
+    step advantage over the steps of the group taken in the same state (`compute_gigpo_advantages`).
+
+    The only change w.r.t. `GRPOTrainer` is `_generate_and_score_completions`: it runs the rollout
+    (generating through the parent's `_generate_single_turn`, so transformers, vLLM colocate and vLLM
+    server generation all work) and returns exactly the batch the parent's `_compute_loss` expects.
+    The loss, reference and old log-probs (`_get_per_token_logps_and_entropies`), PEFT, DeepSpeed/FSDP,
+    checkpointing and logging are inherited unchanged. Processes stay in lock-step (equal generation
+    calls, equal row counts, padding rows with zero loss weight added after the advantages).
+
+    Args:
+        model: a model id, a local directory or a `PreTrainedModel` / `PeftModel`.
+        args: a `GiGPOConfig`.
+        train_dataset: the tasks: rows with a `seed` column (int) and optionally `options`
+            (a dict or a JSON object string passed to `env.reset`); see `task_dataset`.
+        eval_dataset: held-out tasks, same format; `evaluate()` logs `eval_env/success_rate` etc.
+        processing_class: the tokenizer (default: loaded from the model).
+        env: overrides `args.env_name`: a registered name, a gymnasium id, or a callable creating an
+            environment (e.g. a class defined in a notebook).
+        prompt_template: the wording of step prompts (default: the environment's).
+        callbacks, optimizers, peft_config: as in `GRPOTrainer`.
+    """
+
+    _tag_names = ["trl", "gigpo"]
+    _name = "GiGPO"
+
+    def __init__(
+        self,
+        model: Any,
+        args: GiGPOConfig | None = None,
+        train_dataset: Dataset | None = None,
+        eval_dataset: Dataset | None = None,
+        processing_class: Any = None,
+        env: str | Callable[..., TextEnv] | None = None,
+        prompt_template: PromptTemplate | None = None,
+        callbacks: list | None = None,
+        optimizers: tuple = (None, None),
+        peft_config: Any = None,
+    ):
+        if isinstance(model, os.PathLike):
+            model = os.fspath(model)
+        if args is None:
+            name = model if isinstance(model, str) else model.config._name_or_path
+            args = GiGPOConfig(f"{name.split('/')[-1]}-GiGPO")
+        if not isinstance(args, GiGPOConfig):
+            raise TypeError(f"args must be a GiGPOConfig, got {type(args).__name__}")
+        if train_dataset is None:
+            raise ValueError("train_dataset is required: a dataset of tasks with a 'seed' column (see gigpo_trl.task_dataset)")
+        for name, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
+            if dataset is not None and "seed" not in dataset.column_names:
+                raise ValueError(f"{name} needs a 'seed' column (one task per row); it has {dataset.column_names}")
+        tasks_per_batch = args.generation_batch_size // args.num_generations
+        if hasattr(train_dataset, "__len__") and len(train_dataset) < tasks_per_batch:
+            raise ValueError(
+                f"train_dataset has {len(train_dataset)} tasks, but one rollout needs generation_batch_size / "
+                f"num_generations = {args.generation_batch_size} / {args.num_generations} = {tasks_per_batch} distinct tasks"
+            )
+        super().__init__(
+            model=model,
+            reward_funcs=environment_reward,
+            args=args,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            callbacks=callbacks,
+            optimizers=optimizers,
+            peft_config=peft_config,
+        )
+        self.env = env if env is not None else args.env_name
+        self.env_name = self.env if isinstance(self.env, str) else getattr(self.env, "__name__", type(self.env).__name__)
+        self.prompt_template = prompt_template or template_for(self.env_name)
+        self._pools: dict[str, EnvPool] = {}
+        self._last_rollout_end: float | None = None
+        self._warned_singletons = False
+        self.last_rollout: Rollout | None = None  # the latest rollout of this process (trajectories, for reports)
+
+    # ------------------------------------------------------------------------------------------
+    # The one overridden step of GRPOTrainer.
+    # ------------------------------------------------------------------------------------------
+
+    def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, torch.Tensor | Any]:
+        mode = "train" if self.model.training else "eval"
+        started = time.perf_counter()
+        if mode == "train" and self._last_rollout_end is not None:
+            self._metrics[mode]["timing/update_s"].append(started - self._last_rollout_end)
+
+        # 1. Rollout: N copies of each task, one batched generation per turn.
+        group_size = self.num_generations if mode == "train" else self.num_generations_eval
+        tasks = tasks_from_rows(inputs, group_size)
+        with self._greedy_decoding(mode == "eval" and self.args.eval_greedy):
+            rollout = collect_rollout(
+                self._pool(mode, len(tasks), group_size),
+                tasks,
+                self._generate_turn,
+                max_env_steps=self.args.max_env_steps,
+                history_length=self.args.history_length,
+                template=self.prompt_template,
+                max_across_processes=self._max_across_processes,
+                equal_prompt_counts=self.use_vllm and (self.vllm_mode == "server" or self.args.vllm_tensor_parallel_size > 1),
+                show_progress=self.accelerator.is_main_process,
+            )
+        self.last_rollout = rollout
+        rollout_seconds = time.perf_counter() - started
+
+        # 2. GiGPO advantages over this process's groups (groups never cross processes).
+        started = time.perf_counter()
+        steps = rollout.steps
+        gigpo = compute_gigpo_advantages(
+            rewards=[s.reward for s in steps],
+            group_ids=[s.group for s in steps],
+            trajectory_ids=[s.trajectory for s in steps],
+            step_indices=[s.step for s in steps],
+            anchor_keys=[s.anchor for s in steps],
+            invalid=[not s.valid for s in steps],
+            gamma=self.args.gamma,
+            step_weight=self.args.step_advantage_weight,
+            norm=self.args.advantage_norm,
+            episode_stats=self.args.episode_stats,
+            invalid_penalty=self.args.invalid_action_penalty,
+            similarity_threshold=self.args.similarity_threshold,
+        )
+        advantage_seconds = time.perf_counter() - started
+
+        # 3. Rows: all samples (or a uniform draw under the memory bound), then zero-weight padding
+        #    so that every process has the same number of rows, divisible by steps_per_generation.
+        rows, weights, num_dropped = self._rows_for_update(len(steps), mode)
+        completions = [steps[r].completion for r in rows] if steps else [self._dummy_completion()] * len(rows)
+        advantages = [float(gigpo.advantages[r]) * w for r, w in zip(rows, weights)] if steps else [0.0] * len(rows)
+        batch = self._tensorize(completions, weights, advantages, mode)
+
+        self._log_rollout_metrics(mode, rollout, gigpo, num_dropped, rollout_seconds, advantage_seconds)
+        if self.log_completions:
+            self._log_step_samples(rollout, gigpo.advantages)
+        self._last_rollout_end = time.perf_counter()
+        return batch
+
+    # ------------------------------------------------------------------------------------------
+    # Rollout plumbing.
+    # ------------------------------------------------------------------------------------------
+
+    def _generate_turn(self, prompts: list[Messages]) -> list[Completion]:
+        """One batched generation over the prompts of one turn, through TRL's generation backends."""
+        prompt_ids, _, _ = self._tokenize_prompts(prompts)
+        completion_ids, logprobs = self._generate_single_turn(prompt_ids, None, {}, 1)
+        completions = []
+        for k, ids in enumerate(completion_ids):
+            ids, lps = list(ids), (list(logprobs[k]) if logprobs is not None else None)
+            if not ids:  # an empty answer still needs a token for the loss (TRL reads ids[-1])
+                ids, lps = [self.eos_token_ids[0]], (lps or []) + [float("nan")] if lps is not None else None
+            text = self._tokenizer.decode(ids, skip_special_tokens=True)
+            completions.append(Completion(list(prompt_ids[k]), ids, text, lps))
+        return completions
+
+    def _pool(self, mode: str, num_groups: int, group_size: int) -> EnvPool:
+        pool = self._pools.get(mode)
+        if pool is None or (pool.num_groups, pool.group_size) != (num_groups, group_size):
+            if pool is not None:
+                pool.close()
+            pool = EnvPool(
+                env_factory(self.env, **self.args.env_kwargs),
+                num_groups,
+                group_size,
+                step_timeout=self.args.step_timeout,
+                processes=self.args.env_processes,
+                name=self.env_name,
+            )
+            self._pools[mode] = pool
+        return pool
+
+    def close_environments(self) -> None:
+        """Stop the environment worker processes (they also stop when the program exits)."""
+        for pool in self._pools.values():
+            pool.close()
+        self._pools.clear()
+
+    def _max_across_processes(self, value: int) -> int:
+        return int(self.accelerator.gather(torch.tensor([value], device=self.accelerator.device)).max().item())
+
+    @contextmanager
+    def _greedy_decoding(self, enabled: bool):
+        """Temporarily decode greedily (held-out evaluation)."""
+        if not enabled:
+            yield
+            return
+        if self.use_vllm:
+            saved, self.vllm_generation.temperature = self.vllm_generation.temperature, 0.0
+        else:
+            saved, self.generation_config.do_sample = self.generation_config.do_sample, False
+        try:
+            yield
+        finally:
+            if self.use_vllm:
+                self.vllm_generation.temperature = saved
+            else:
+                self.generation_config.do_sample = saved
+
+    def _dummy_completion(self) -> Completion:
+        """A stand-in sample (zero loss weight) for a process whose environments all failed to start."""
+        prompt_ids = self._tokenize_prompts([DUMMY_PROMPT])[0][0]
+        return Completion(list(prompt_ids), [self.eos_token_ids[0]], "", None)
+
+    # ------------------------------------------------------------------------------------------
+    # From step samples to TRL's batch.
+    # ------------------------------------------------------------------------------------------
+
+    def _rows_for_update(self, num_samples: int, mode: str) -> tuple[list[int], list[float], int]:
+        """Which samples form this process's rows, and their loss weights (0 for padding rows).
+
+        Returns (row -> sample index, row weights, number of samples dropped by the memory bound).
+        """
+        chunks = self.args.steps_per_generation if mode == "train" else 1
+        kept = list(range(num_samples))
+        bound = self.args.max_step_samples_per_micro_batch
+        if bound is not None and num_samples > chunks * bound:
+            draw = random.Random(f"{self.args.seed}-{self.state.global_step}-{self.accelerator.process_index}")
+            kept = sorted(draw.sample(kept, chunks * bound))
+        num_rows = max(self._max_across_processes(len(kept)), 1)
+        num_rows = -(-num_rows // chunks) * chunks  # round up to a multiple of steps_per_generation
+        padding = [kept[k % len(kept)] if kept else 0 for k in range(num_rows - len(kept))]
+        return kept + padding, [1.0] * len(kept) + [0.0] * len(padding), num_samples - len(kept)
+
+    def _tensorize(self, completions: Sequence[Completion], weights: Sequence[float], advantages: Sequence[float], mode: str) -> dict[str, Any]:
+        """The dict `_compute_loss` consumes, with old/reference log-probs where TRL needs them."""
+        device = self.accelerator.device
+        pad_id = self._tokenizer.pad_token_id
+        prompt_ids = [torch.tensor(c.prompt_ids) for c in completions]
+        completion_ids = [torch.tensor(c.completion_ids) for c in completions]
+        prompt_mask = pad([torch.ones_like(t) for t in prompt_ids], padding_value=0, padding_side="left").to(device)
+        prompt_ids = pad(prompt_ids, padding_value=pad_id, padding_side="left").to(device)
+        completion_mask = pad([torch.ones_like(t) for t in completion_ids], padding_value=0, padding_side="right").to(device)
+        completion_ids = pad(completion_ids, padding_value=pad_id, padding_side="right").to(device)
+        if self.mask_truncated_completions:
+            ends = {*self.eos_token_ids, pad_id}
+            finished = torch.tensor([c.completion_ids[-1] in ends for c in completions], device=device)
+            completion_mask = completion_mask * finished.unsqueeze(1).int()
+        # Row loss weight: 1 for real samples, 0 for the lock-step padding rows.
+        tool_mask = torch.tensor(weights, device=device).long().unsqueeze(1).expand_as(completion_mask).contiguous()
+        loss_mask = completion_mask * tool_mask
+        batch = {
+            "prompt_ids": prompt_ids,
+            "prompt_mask": prompt_mask,
+            "completion_ids": completion_ids,
+            "completion_mask": completion_mask,
+            "tool_mask": tool_mask,
+            "advantages": torch.tensor(advantages, dtype=torch.float32, device=device),
+            "num_items_in_batch": self.accelerator.gather(loss_mask.sum()).sum(),
+        }
+        sampling_logps = None
+        if all(c.logprobs is not None for c in completions):
+            sampling_logps = pad(
+                [torch.tensor(c.logprobs, dtype=torch.float32) for c in completions], padding_value=0.0, padding_side="right"
+            ).to(device)
+            batch["sampling_per_token_logps"] = sampling_logps
+
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+        attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+        logits_to_keep = completion_ids.size(1)
+        forward_batch = self.args.max_step_samples_per_micro_batch or (
+            self.args.per_device_train_batch_size if mode == "train" else self.args.per_device_eval_batch_size
+        )
+        with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
+            # Same rule as GRPOTrainer: old log-probs only when updates run off-policy or vLLM sampled.
+            generate_every = self.args.steps_per_generation * self.num_iterations
+            is_correction = self.use_vllm and self.vllm_importance_sampling_correction
+            if self.args.gradient_accumulation_steps % generate_every != 0 or is_correction:
+                batch["old_per_token_logps"], _, _ = self._get_per_token_logps_and_entropies(
+                    self.model, input_ids, attention_mask, logits_to_keep, batch_size=forward_batch
+                )
+            if is_correction:
+                if sampling_logps is None:
+                    raise RuntimeError("vLLM importance-sampling correction needs the sampling log-probs, but the backend returned none")
+                batch["importance_sampling_ratio"] = importance_sampling_ratio(
+                    batch["old_per_token_logps"], sampling_logps, loss_mask, self.vllm_importance_sampling_mode,
+                    self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max,
+                )
+            if self.beta != 0.0:
+                if self.ref_model is not None:
+                    batch["ref_per_token_logps"], _, _ = self._get_per_token_logps_and_entropies(
+                        self.ref_model, input_ids, attention_mask, logits_to_keep, batch_size=forward_batch
+                    )
+                else:  # PEFT: the reference is the model with its adapter disabled (or a "ref" copy)
+                    unwrapped = self.accelerator.unwrap_model(self.model)
+                    with use_adapter(unwrapped, adapter_name="ref" if "ref" in unwrapped.peft_config else None):
+                        batch["ref_per_token_logps"], _, _ = self._get_per_token_logps_and_entropies(
+                            self.model, input_ids, attention_mask, logits_to_keep, batch_size=forward_batch
+                        )
+        return batch
+
+    # ------------------------------------------------------------------------------------------
+    # Metrics.
+    # ------------------------------------------------------------------------------------------
+
+    def _log_rollout_metrics(self, mode: str, rollout: Rollout, gigpo: Any, num_dropped: int,
+                             rollout_seconds: float, advantage_seconds: float) -> None:
+        """Global (all-process) environment, GiGPO and timing metrics into TRL's `_metrics`."""
+        device = self.accelerator.device
+        episodes, steps = rollout.episodes, rollout.steps
+        sizes = gigpo.step_group_sizes
+        local_sums = torch.tensor(
+            [
+                len(episodes), sum(e.won for e in episodes), sum(e.episode_return for e in episodes),
+                sum(e.length for e in episodes), sum(e.truncated for e in episodes),
+                sum(e.env_error is not None for e in episodes), len(steps), sum(not s.valid for s in steps),
+                gigpo.stats.num_step_groups, int((sizes == 1).sum()), int((gigpo.step_advantages != 0).sum()),
+                float(gigpo.episode_advantages.sum()), float((gigpo.episode_advantages ** 2).sum()),
+                float(gigpo.step_advantages.sum()), float((gigpo.step_advantages ** 2).sum()),
+                rollout.generated_tokens, num_dropped,
+            ],
+            dtype=torch.float64, device=device,
+        )
+        (num_episodes, won, returns, lengths, truncated, errors, num_steps, invalid, num_groups, singletons,
+         nonzero, ae_sum, ae_sq, as_sum, as_sq, tokens, dropped) = self.accelerator.reduce(local_sums, "sum").tolist()
+        local_maxima = torch.tensor(
+            [gigpo.stats.step_group_size_max, rollout_seconds, rollout.generation_seconds, rollout.env_seconds, advantage_seconds],
+            dtype=torch.float64, device=device,
+        )
+        max_size, rollout_s, generation_s, env_s, advantage_s = self.accelerator.gather(local_maxima).view(-1, 5).max(0).values.tolist()
+
+        metrics = self._metrics[mode]
+        metrics["env/success_rate"].append(won / max(num_episodes, 1))
+        metrics["env/return_mean"].append(returns / max(num_episodes, 1))
+        metrics["env/episode_length_mean"].append(lengths / max(num_episodes, 1))
+        metrics["env/truncated_share"].append(truncated / max(num_episodes, 1))
+        metrics["env/env_error_share"].append(errors / max(num_episodes, 1))
+        metrics["env/invalid_action_rate"].append(invalid / max(num_steps, 1))
+        metrics["env/step_samples"].append(num_steps)
+        singleton_share = singletons / max(num_groups, 1)
+        metrics["gigpo/singleton_share"].append(singleton_share)
+        metrics["gigpo/step_group_size_mean"].append(num_steps / max(num_groups, 1))
+        metrics["gigpo/step_group_size_max"].append(max_size)
+        metrics["gigpo/nonzero_step_advantage_share"].append(nonzero / max(num_steps, 1))
+        for name, total, squares in (("episode_advantage", ae_sum, ae_sq), ("step_advantage", as_sum, as_sq)):
+            mean = total / max(num_steps, 1)
+            metrics[f"gigpo/{name}_mean"].append(mean)
+            metrics[f"gigpo/{name}_std"].append(max(squares / max(num_steps, 1) - mean**2, 0.0) ** 0.5)
+        metrics["gigpo/subsampled_rows"].append(dropped)
+        metrics["timing/rollout_s"].append(rollout_s)
+        metrics["timing/generation_s"].append(generation_s)
+        metrics["timing/env_s"].append(env_s)
+        metrics["timing/advantages_s"].append(advantage_s)
+        metrics["generation/tokens_per_s"].append(tokens / max(generation_s, 1e-9))
+        metrics["completions/mean_length"].append(tokens / max(num_steps, 1))
+        if mode == "train":
+            prompt_tokens = self.accelerator.reduce(
+                torch.tensor(sum(len(s.completion.prompt_ids) for s in steps), device=device), "sum"
+            ).item()
+            self.state.num_input_tokens_seen += prompt_tokens + tokens
+        metrics["num_tokens"] = [self.state.num_input_tokens_seen]
+
+        if dropped:
+            warnings.warn(f"max_step_samples_per_micro_batch: {int(dropped)} step samples were left out of this update "
+                          "(drawn uniformly; logged as gigpo/subsampled_rows)", stacklevel=2)
+        if num_groups and singleton_share > SINGLETON_WARNING_SHARE and not self._warned_singletons:
+            self._warned_singletons = True
+            warnings.warn(
+                f"{singleton_share:.0%} of step groups are singletons: their step advantage is 0, so GiGPO is close to "
+                "step-wise GRPO here. States rarely repeat across the copies of a task; check that the environment's "
+                "anchor ignores move counters and decoration, or set similarity_threshold for text anchors.",
+                stacklevel=2,
+            )
+
+    def _log_step_samples(self, rollout: Rollout, advantages: Any) -> None:
+        """Feed TRL's completion logs (`log_completions`): one entry per step sample."""
+        from gigpo_trl.prompts import build_messages  # noqa: PLC0415
+
+        prompts = [build_messages(s.observation, step=s.step, template=self.prompt_template) for s in rollout.steps]
+        self._logs["prompt"].extend(gather_object(prompts))
+        self._logs["completion"].extend(gather_object([s.completion.text for s in rollout.steps]))
+        self._logs["rewards"]["environment_reward"].extend(gather_object([s.reward for s in rollout.steps]))
+        self._logs["advantages"].extend(gather_object([float(a) for a in advantages]))
+
+
+def importance_sampling_ratio(
+    old_logps: torch.Tensor, sampling_logps: torch.Tensor, mask: torch.Tensor, mode: str,
+    clip_min: float | None, clip_max: float | None,
+) -> torch.Tensor:
+    """vLLM importance-sampling correction `exp(old - sampling)`, as GRPOTrainer defines it.
+
+    Args:
+        old_logps, sampling_logps, mask: (B, C) trainer log-probs, vLLM sampling log-probs, loss mask.
+        mode: "token_truncate" | "token_mask" (per token, (B, C)) or "sequence_truncate" |
+            "sequence_mask" (summed per sequence, (B, 1)). "*_truncate" clamps to [clip_min, clip_max];
+            "*_mask" zeroes ratios outside it.
+    """
+    difference = torch.nan_to_num((old_logps - sampling_logps) * mask, nan=0.0)  # NaN: no sampling logprob, no correction
+    if mode.startswith("sequence"):
+        difference = difference.sum(dim=-1, keepdim=True)
+    ratio = torch.exp(difference)
+    if mode.endswith("truncate"):
+        return torch.clamp(ratio, min=clip_min, max=clip_max)
+    low = clip_min if clip_min is not None else -float("inf")
+    high = clip_max if clip_max is not None else float("inf")
+    return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
+
+
+def tasks_from_rows(rows: Sequence[dict[str, Any]], group_size: int) -> list[Task]:
+    """The tasks of a batch of dataset rows, which holds `group_size` consecutive copies of each task."""
+    if len(rows) % group_size:
+        raise RuntimeError(f"a batch of {len(rows)} rows cannot hold whole groups of {group_size} copies")
+    tasks = []
+    for start in range(0, len(rows), group_size):
+        copies = [(row.get("seed"), _options_of(row)) for row in rows[start : start + group_size]]
+        if any(copy != copies[0] for copy in copies):
+            raise RuntimeError(
+                f"rows {start}..{start + group_size - 1} of the batch should be {group_size} copies of one task, got "
+                f"{copies}; the copies of a task were split across processes (check per_device_train_batch_size, "
+                "steps_per_generation and num_generations)"
+            )
+        tasks.append(Task(seed=copies[0][0], options=copies[0][1]))
+    return tasks
+
+
+def task_dataset(seeds: Sequence[int], options: Sequence[dict[str, Any] | None] | None = None) -> Dataset:
+    """A dataset of tasks: one row per task, with its `seed` and (JSON-encoded) `options`."""
+    options = options if options is not None else [None] * len(seeds)
+    if len(options) != len(seeds):
+        raise ValueError(f"got {len(seeds)} seeds but {len(options)} options")
+    return Dataset.from_dict({"seed": list(seeds), "options": [json.dumps(o) if o is not None else "" for o in options]})
+
+
+def _options_of(row: dict[str, Any]) -> dict[str, Any] | None:
+    options = row.get("options")
+    if options is None or options == "":
+        return None
+    if isinstance(options, str):
+        try:
+            options = json.loads(options)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"task options must be a dict or a JSON object string, got {options!r}: {exc}") from None
+    if not isinstance(options, dict):
+        raise ValueError(f"task options must be a dict, got {type(options).__name__}")
+    return options

@@ -1,0 +1,36 @@
+"""A GiGPOTrainer whose answers come from a script: real generation still runs every turn (so the
+lock-step and batching paths are exercised), but the answer text is replaced by a fixed rule, which
+makes the trajectories known in advance."""
+
+from __future__ import annotations
+
+import re
+
+from gigpo_trl.rollout import Completion
+from gigpo_trl.trainer import GiGPOTrainer
+
+
+def corridor_answer(prompt_text: str, position: int) -> str:
+    """The rule, on Corridor (tests/toy_envs.py): walk right, except
+    - at step 0, the copy at an odd position of the batch answers "left" (it stays in cell 0);
+    - at step 1 in cell 1, the answer breaks the format ("I go right": invalid, but mapped onto "right")."""
+    step = int(re.search(r"Current observation \(step (\d+)\)", prompt_text).group(1))
+    cell = int(re.findall(r"You are in cell (\d+)", prompt_text)[-1])
+    if step == 0 and position % 2:
+        return "<action>left</action>"
+    if step == 1 and cell == 1:
+        return "I go right"
+    return "<think>keep going</think><action>right</action>"
+
+
+class ScriptedTrainer(GiGPOTrainer):
+    def _generate_turn(self, prompts):
+        generated = super()._generate_turn(prompts)  # the real backend, in lock-step
+        eos = self._tokenizer.eos_token_id
+        completions = []
+        for position, (prompt, real) in enumerate(zip(prompts, generated)):
+            text = prompt[-1]["content"]
+            answer = corridor_answer(text, position) if "corridor" in text else "."
+            ids = self._tokenizer(answer, add_special_tokens=False)["input_ids"] + [eos]
+            completions.append(Completion(real.prompt_ids, ids, answer))
+        return completions
