@@ -4,6 +4,7 @@ makes the trajectories known in advance."""
 
 from __future__ import annotations
 
+import random
 import re
 
 from gigpo_trl.rollout import Completion
@@ -23,14 +24,23 @@ def corridor_answer(prompt_text: str, position: int) -> str:
     return "<think>keep going</think><action>right</action>"
 
 
+def numbered_choice_answer(prompt_text: str, position: int) -> str:
+    """Answer the number of one of the listed admissible actions, drawn from the prompt text and the
+    batch position (copies of a task diverge; the same prompt at the same position repeats its answer)."""
+    count = len(re.findall(r"^\d+\. ", prompt_text, flags=re.MULTILINE))
+    return f"<action>{random.Random(f'{prompt_text}|{position}').randint(1, count)}</action>" if count else "look"
+
+
 class ScriptedTrainer(GiGPOTrainer):
+    """Corridor tasks follow `corridor_answer`; any other environment gets `numbered_choice_answer`."""
+
     def _generate_turn(self, prompts):
         generated = super()._generate_turn(prompts)  # the real backend, in lock-step
         eos = self._tokenizer.eos_token_id
         completions = []
         for position, (prompt, real) in enumerate(zip(prompts, generated)):
             text = prompt[-1]["content"]
-            answer = corridor_answer(text, position) if "corridor" in text else "."
+            answer = corridor_answer(text, position) if "corridor" in text else numbered_choice_answer(text, position)
             ids = self._tokenizer(answer, add_special_tokens=False)["input_ids"] + [eos]
             completions.append(Completion(real.prompt_ids, ids, answer))
         return completions

@@ -1,0 +1,184 @@
+"""Benchmark of the multi-turn rollout and of the update's memory, side by side in one run.
+
+    python bench/bench_rollout.py                        # tiny local model on CPU (about 2 minutes)
+    python bench/bench_rollout.py --model DIR_OR_HUB_ID  # any model (e.g. on a GPU)
+
+1. Rollout overhead: the wall time of `collect_rollout` (G x N Sokoban environments, T turns, every
+   answer forced to exactly L tokens) against ONE batched generation of the same number of tokens
+   (G x N sequences of T x L tokens) by the same model through the same TRL generation path.
+   Target: at most 1.15x.
+2. Update memory: the peak memory of one training iteration of GiGPOTrainer against TRL's
+   GRPOTrainer on the same number of samples of the same lengths, each in a fresh process.
+   On CUDA: `torch.cuda.max_memory_allocated`; on CPU: the growth of the process's peak resident
+   memory (VmHWM, reset through /proc/self/clear_refs) over the iteration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+MEMORY_SAMPLES = 64  # samples in the update of the memory comparison
+MEMORY_TOKENS = 32  # completion tokens per sample
+
+
+def bench_rollout(model: str, num_tasks: int, group_size: int, turns: int, tokens: int, repeats: int) -> None:
+    from gigpo_trl.config import GiGPOConfig
+    from gigpo_trl.env_pool import Task
+    from gigpo_trl.prompts import build_messages
+    from gigpo_trl.rollout import collect_rollout
+    from gigpo_trl.trainer import GiGPOTrainer, task_dataset
+
+    config = GiGPOConfig(
+        output_dir=tempfile.mkdtemp(), env_name="sokoban", per_device_train_batch_size=num_tasks * group_size,
+        num_generations=group_size, max_completion_length=tokens, max_env_steps=turns, report_to=[],
+        generation_kwargs={"min_new_tokens": tokens}, gradient_checkpointing=False,
+    )
+    trainer = GiGPOTrainer(model, args=config, train_dataset=task_dataset(range(num_tasks)))
+    tasks = [Task(seed=s) for s in range(num_tasks)]
+    pool = trainer._pool("train", num_tasks, group_size)
+
+    def rollout():
+        return collect_rollout(pool, tasks, trainer._generate_turn, max_env_steps=turns,
+                               template=trainer.prompt_template, show_progress=False)
+
+    first_prompts = [build_messages(o.observation, task=o.info.get("task"), admissible_actions=o.info.get("admissible_actions"),
+                                    template=trainer.prompt_template) for o in pool.reset(tasks)]
+    prompt_ids = trainer._tokenize_prompts(first_prompts)[0]
+
+    def one_generation(new_tokens: int):
+        for settings in (trainer.generation_config.__dict__, trainer.generation_kwargs):
+            settings["max_new_tokens"] = settings["min_new_tokens"] = new_tokens
+        try:
+            return trainer._generate_single_turn(prompt_ids, None, {}, 1)[0]
+        finally:
+            for settings in (trainer.generation_config.__dict__, trainer.generation_kwargs):
+                settings["max_new_tokens"] = settings["min_new_tokens"] = tokens
+
+    rollout()  # warm-up
+    results = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        played = rollout()
+        rollout_seconds = time.perf_counter() - started
+        per_sequence = played.generated_tokens // pool.num_envs
+        started = time.perf_counter()
+        generated = one_generation(per_sequence)
+        single_seconds = time.perf_counter() - started
+        results.append((rollout_seconds, single_seconds, played, sum(len(c) for c in generated)))
+    rollout_seconds, single_seconds, played, single_tokens = min(results, key=lambda r: r[0] / r[1])
+    median = sorted(r[0] / r[1] for r in results)[len(results) // 2]
+    print(f"Rollout: {num_tasks} tasks x {group_size} copies, {played.generate_calls} turns, {tokens} tokens per answer")
+    print(f"  multi-turn rollout       {rollout_seconds:7.2f} s  ({played.generated_tokens} tokens; generation "
+          f"{played.generation_seconds:.2f} s, environments {played.env_seconds:.2f} s)")
+    print(f"  one batched generation   {single_seconds:7.2f} s  ({single_tokens} tokens)")
+    print(f"  ratio                    {rollout_seconds / single_seconds:7.2f}x (median of {repeats}: {median:.2f}x; target <= 1.15x)")
+    trainer.close_environments()
+
+
+def update_peak_memory(trainer_kind: str, model: str, output_dir: str) -> dict:
+    """One training iteration in this process; returns the peak memory it added (bytes) and the sample count."""
+    import torch
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    from gigpo_trl.config import GiGPOConfig
+    from gigpo_trl.trainer import GiGPOTrainer, task_dataset
+
+    shared = dict(output_dir=output_dir, max_steps=1, max_completion_length=MEMORY_TOKENS, report_to=[],
+                  save_strategy="no", gradient_checkpointing=False, bf16=torch.cuda.is_available(),
+                  generation_kwargs={"min_new_tokens": MEMORY_TOKENS}, logging_steps=1)
+    if trainer_kind == "gigpo":
+        # 8 tasks x 2 copies x 4 turns = 64 step samples (Sokoban episodes of a random policy do not end in
+        # 4 turns). history_length=0 keeps every step prompt as long as the first one, which GRPO gets.
+        config = GiGPOConfig(per_device_train_batch_size=16, num_generations=2, max_env_steps=4, env_name="sokoban",
+                             history_length=0, **shared)
+        trainer = GiGPOTrainer(model, args=config, train_dataset=task_dataset(range(8)))
+    else:
+        config = GRPOConfig(per_device_train_batch_size=MEMORY_SAMPLES, num_generations=8, **shared)
+        trainer = GRPOTrainer(model, reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
+                              args=config, train_dataset=Dataset.from_dict({"prompt": sokoban_prompts(8)}))
+    baseline = _reset_peak()
+    trainer.train()
+    peak = _peak() - baseline
+    samples = next(e for e in trainer.state.log_history if "loss" in e).get("env/step_samples", MEMORY_SAMPLES)
+    return {"trainer": trainer_kind, "peak_bytes": peak, "samples": samples}
+
+
+def sokoban_prompts(num_tasks: int) -> list[list[dict[str, str]]]:
+    """The first-step prompts of Sokoban tasks 0..num_tasks-1, as GiGPOTrainer renders them."""
+    from gigpo_trl.environments.sokoban import SokobanEnv
+    from gigpo_trl.prompts import build_messages, template_for
+
+    env = SokobanEnv()
+    return [
+        build_messages(observation, task=info["task"], admissible_actions=info["admissible_actions"],
+                       template=template_for("sokoban"))
+        for observation, info in (env.reset(seed=seed) for seed in range(num_tasks))
+    ]
+
+
+def _reset_peak() -> int:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+        return torch.cuda.memory_allocated()
+    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current resident size
+    return _status_bytes("VmHWM")
+
+
+def _peak() -> int:
+    import torch
+
+    return torch.cuda.max_memory_allocated() if torch.cuda.is_available() else _status_bytes("VmHWM")
+
+
+def _status_bytes(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} not found in /proc/self/status")
+
+
+def bench_memory(model: str) -> None:
+    print(f"Update memory: one iteration, {MEMORY_SAMPLES} samples of {MEMORY_TOKENS} completion tokens")
+    results = {}
+    for kind in ("grpo", "gigpo"):
+        with tempfile.TemporaryDirectory() as output_dir:
+            command = [sys.executable, __file__, "--memory-worker", kind, "--model", model, "--output-dir", output_dir]
+            finished = subprocess.run(command, capture_output=True, text=True, check=True)
+        results[kind] = json.loads(finished.stdout.strip().splitlines()[-1])
+        print(f"  {kind:6s} peak added {results[kind]['peak_bytes'] / 2**20:8.1f} MiB over {results[kind]['samples']:.0f} samples")
+    print(f"  ratio GiGPO / GRPO: {results['gigpo']['peak_bytes'] / results['grpo']['peak_bytes']:.2f}x")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="model id or directory (default: the tiny local model)")
+    parser.add_argument("--tasks", type=int, default=8)
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--turns", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=16, help="tokens per answer")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--memory-worker", choices=["grpo", "gigpo"], help=argparse.SUPPRESS)
+    parser.add_argument("--output-dir", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.model is None:
+        from gigpo_trl.models import build_tiny_model
+
+        args.model = str(build_tiny_model(Path(tempfile.gettempdir()) / "gigpo-bench-tiny-model"))
+    if args.memory_worker:
+        print(json.dumps(update_peak_memory(args.memory_worker, args.model, args.output_dir)))
+        return
+    bench_rollout(args.model, args.tasks, args.group_size, args.turns, args.tokens, args.repeats)
+    bench_memory(args.model)
+
+
+if __name__ == "__main__":
+    main()
