@@ -12,6 +12,9 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+# Longest action text sent to an environment (and shown in later prompts' history). Real commands are
+# short ("take red apple from fridge"); the bound keeps a rambling answer from inflating every later prompt.
+MAX_ACTION_CHARS = 100
 ACTION_BLOCK = re.compile(r"<action>(.*?)</action>", re.IGNORECASE | re.DOTALL)
 THINK_BLOCK = re.compile(r"<think>.*?(</think>|$)", re.IGNORECASE | re.DOTALL)
 NUMBER = re.compile(r"^\(?#?(\d+)[.):]?$")
@@ -36,7 +39,7 @@ def parse_action(text: str, admissible_actions: Sequence[str] | None = None) -> 
     rule that applies: an exact match; a match ignoring case and repeated spaces; a number `k`
     naming the k-th action of the numbered list (1-based); the one admissible action contained in
     the text (as whole words; when several are, the one containing all the others).
-    Unmapped candidates are sent as they are (first line, stripped).
+    Unmapped candidates are sent as they are (first line, stripped, at most `MAX_ACTION_CHARS` characters).
     """
     blocks = ACTION_BLOCK.findall(text)
     valid = len(blocks) == 1 and bool(blocks[0].strip())
@@ -45,7 +48,7 @@ def parse_action(text: str, admissible_actions: Sequence[str] | None = None) -> 
         if action is not None:
             return ParsedAction(action, valid, rule)
     first_line = candidate.splitlines()[0].strip() if candidate else ""
-    return ParsedAction(first_line, valid, None)
+    return ParsedAction(first_line[:MAX_ACTION_CHARS].rstrip(), valid, None)
 
 
 def _mapping_rules(candidate: str, admissible: Sequence[str]):

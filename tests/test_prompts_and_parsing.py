@@ -63,3 +63,7 @@ def test_parse_action(answer, action, valid, match):
 
 def test_parse_action_without_admissible_actions_sends_the_text():
     assert parse_action("<action>push box</action>").action == "push box"
+
+
+def test_a_rambling_answer_is_cut_to_a_bounded_action():
+    assert parse_action("word " * 500, ACTIONS).action == ("word " * 20).strip()  # 100 characters
