@@ -83,6 +83,11 @@ class GiGPOConfig(GRPOConfig):
         metadata={"help": "Run each environment in its own worker process (survives crashes and hangs). False runs "
                   "them in the trainer's process (only exceptions are caught)."},
     )
+    log_trajectories: int = field(
+        default=8,
+        metadata={"help": "Episodes of each rollout written to output_dir/gigpo/trajectories for the run report's "
+                  "trajectory viewer (0: none). Per-rollout GiGPO records always go to output_dir/gigpo/iterations.jsonl."},
+    )
     eval_greedy: bool = field(
         default=False,
         metadata={"help": "Play the held-out tasks of evaluate() with greedy decoding instead of sampling."},
@@ -122,6 +127,8 @@ class GiGPOConfig(GRPOConfig):
             problems.append(f"similarity_threshold={self.similarity_threshold} must be None or in (0, 1]")
         if self.max_env_steps < 1:
             problems.append(f"max_env_steps={self.max_env_steps} must be >= 1")
+        if self.log_trajectories < 0:
+            problems.append(f"log_trajectories={self.log_trajectories} must be >= 0")
         if self.history_length < 0:
             problems.append(f"history_length={self.history_length} must be >= 0")
         if self.step_timeout <= 0:

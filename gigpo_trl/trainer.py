@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+import numpy as np
 import torch
 from accelerate.utils import gather_object
 from datasets import Dataset
@@ -23,6 +24,7 @@ from gigpo_trl.config import GiGPOConfig
 from gigpo_trl.env_pool import EnvPool, Task
 from gigpo_trl.envs import TextEnv, env_factory
 from gigpo_trl.prompts import PromptTemplate, template_for
+from gigpo_trl.records import episode_records, iteration_record, write_records
 from gigpo_trl.rollout import DUMMY_PROMPT, Completion, Messages, Rollout, collect_rollout
 
 # Above this share of singleton step groups, step advantages are almost all 0: GiGPO ~ GRPO.
@@ -115,6 +117,7 @@ class GiGPOTrainer(GRPOTrainer):
         self._pools: dict[str, EnvPool] = {}
         self._last_rollout_end: float | None = None
         self._warned_singletons = False
+        self._rollouts_recorded = {"train": 0, "eval": 0}
         self.last_rollout: Rollout | None = None  # the latest rollout of this process (trajectories, for reports)
 
     # ------------------------------------------------------------------------------------------
@@ -171,7 +174,8 @@ class GiGPOTrainer(GRPOTrainer):
         advantages = [float(gigpo.advantages[r]) * w for r, w in zip(rows, weights)] if steps else [0.0] * len(rows)
         batch = self._tensorize(completions, weights, advantages, mode)
 
-        self._log_rollout_metrics(mode, rollout, gigpo, num_dropped, rollout_seconds, advantage_seconds)
+        metrics = self._log_rollout_metrics(mode, rollout, gigpo, num_dropped, rollout_seconds, advantage_seconds)
+        self._write_records(mode, metrics, rollout, gigpo)
         if self.log_completions:
             self._log_step_samples(rollout, gigpo.advantages)
         self._last_rollout_end = time.perf_counter()
@@ -334,8 +338,8 @@ class GiGPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------------------------------------
 
     def _log_rollout_metrics(self, mode: str, rollout: Rollout, gigpo: Any, num_dropped: int,
-                             rollout_seconds: float, advantage_seconds: float) -> None:
-        """Global (all-process) environment, GiGPO and timing metrics into TRL's `_metrics`."""
+                             rollout_seconds: float, advantage_seconds: float) -> dict[str, float]:
+        """Global (all-process) environment, GiGPO and timing metrics into TRL's `_metrics`; returns them."""
         device = self.accelerator.device
         episodes, steps = rollout.episodes, rollout.steps
         sizes = gigpo.step_group_sizes
@@ -359,36 +363,38 @@ class GiGPOTrainer(GRPOTrainer):
         )
         max_size, rollout_s, generation_s, env_s, advantage_s = self.accelerator.gather(local_maxima).view(-1, 5).max(0).values.tolist()
 
-        metrics = self._metrics[mode]
-        metrics["env/success_rate"].append(won / max(num_episodes, 1))
-        metrics["env/return_mean"].append(returns / max(num_episodes, 1))
-        metrics["env/episode_length_mean"].append(lengths / max(num_episodes, 1))
-        metrics["env/truncated_share"].append(truncated / max(num_episodes, 1))
-        metrics["env/env_error_share"].append(errors / max(num_episodes, 1))
-        metrics["env/invalid_action_rate"].append(invalid / max(num_steps, 1))
-        metrics["env/step_samples"].append(num_steps)
+        metrics: dict[str, float] = {}
+        metrics["env/success_rate"] = won / max(num_episodes, 1)
+        metrics["env/return_mean"] = returns / max(num_episodes, 1)
+        metrics["env/episode_length_mean"] = lengths / max(num_episodes, 1)
+        metrics["env/truncated_share"] = truncated / max(num_episodes, 1)
+        metrics["env/env_error_share"] = errors / max(num_episodes, 1)
+        metrics["env/invalid_action_rate"] = invalid / max(num_steps, 1)
+        metrics["env/step_samples"] = num_steps
         singleton_share = singletons / max(num_groups, 1)
-        metrics["gigpo/singleton_share"].append(singleton_share)
-        metrics["gigpo/step_group_size_mean"].append(num_steps / max(num_groups, 1))
-        metrics["gigpo/step_group_size_max"].append(max_size)
-        metrics["gigpo/nonzero_step_advantage_share"].append(nonzero / max(num_steps, 1))
+        metrics["gigpo/singleton_share"] = singleton_share
+        metrics["gigpo/step_group_size_mean"] = num_steps / max(num_groups, 1)
+        metrics["gigpo/step_group_size_max"] = max_size
+        metrics["gigpo/nonzero_step_advantage_share"] = nonzero / max(num_steps, 1)
         for name, total, squares in (("episode_advantage", ae_sum, ae_sq), ("step_advantage", as_sum, as_sq)):
             mean = total / max(num_steps, 1)
-            metrics[f"gigpo/{name}_mean"].append(mean)
-            metrics[f"gigpo/{name}_std"].append(max(squares / max(num_steps, 1) - mean**2, 0.0) ** 0.5)
-        metrics["gigpo/subsampled_rows"].append(dropped)
-        metrics["timing/rollout_s"].append(rollout_s)
-        metrics["timing/generation_s"].append(generation_s)
-        metrics["timing/env_s"].append(env_s)
-        metrics["timing/advantages_s"].append(advantage_s)
-        metrics["generation/tokens_per_s"].append(tokens / max(generation_s, 1e-9))
-        metrics["completions/mean_length"].append(tokens / max(num_steps, 1))
+            metrics[f"gigpo/{name}_mean"] = mean
+            metrics[f"gigpo/{name}_std"] = max(squares / max(num_steps, 1) - mean**2, 0.0) ** 0.5
+        metrics["gigpo/subsampled_rows"] = dropped
+        metrics["timing/rollout_s"] = rollout_s
+        metrics["timing/generation_s"] = generation_s
+        metrics["timing/env_s"] = env_s
+        metrics["timing/advantages_s"] = advantage_s
+        metrics["generation/tokens_per_s"] = tokens / max(generation_s, 1e-9)
+        metrics["completions/mean_length"] = tokens / max(num_steps, 1)
         if mode == "train":
             prompt_tokens = self.accelerator.reduce(
                 torch.tensor(sum(len(s.completion.prompt_ids) for s in steps), device=device), "sum"
             ).item()
             self.state.num_input_tokens_seen += prompt_tokens + tokens
-        metrics["num_tokens"] = [self.state.num_input_tokens_seen]
+        for name, value in metrics.items():
+            self._metrics[mode][name].append(value)
+        self._metrics[mode]["num_tokens"] = [self.state.num_input_tokens_seen]
 
         if dropped:
             warnings.warn(f"max_step_samples_per_micro_batch: {int(dropped)} step samples were left out of this update "
@@ -401,6 +407,20 @@ class GiGPOTrainer(GRPOTrainer):
                 "anchor ignores move counters and decoration, or set similarity_threshold for text anchors.",
                 stacklevel=2,
             )
+
+        return metrics
+
+    def _write_records(self, mode: str, metrics: dict[str, float], rollout: Rollout, gigpo: Any) -> None:
+        """The rollout's record and sample episodes for the run report (see `gigpo_trl.records`)."""
+        arrays = [gather_object([a.tolist()]) for a in (gigpo.step_group_sizes, gigpo.episode_advantages, gigpo.step_advantages)]
+        if not self.accelerator.is_main_process:
+            return
+        sizes, episode_advantages, step_advantages = ([v for part in parts for v in part] for parts in arrays)
+        index = self._rollouts_recorded[mode]
+        self._rollouts_recorded[mode] += 1
+        record = iteration_record(self.state.global_step, mode, index, metrics, np.asarray(sizes, dtype=np.int64),
+                                  np.asarray(episode_advantages), np.asarray(step_advantages))
+        write_records(self.args.output_dir, record, episode_records(rollout, gigpo, self.args.log_trajectories))
 
     def _log_step_samples(self, rollout: Rollout, advantages: Any) -> None:
         """Feed TRL's completion logs (`log_completions`): one entry per step sample."""

@@ -1,0 +1,100 @@
+"""What a training run leaves on disk for its report (`python -m gigpo_trl.report OUTPUT_DIR`).
+
+    OUTPUT_DIR/gigpo/iterations.jsonl            one JSON object per rollout (train and eval):
+        {"step": int, "mode": "train" | "eval", "rollout": int (count per mode), "metrics": {name: float},
+         "step_group_sizes": {size: number of step groups of that size},
+         "advantage_bins": [edges], "episode_advantage_counts": [...], "step_advantage_counts": [...]}
+    OUTPUT_DIR/gigpo/trajectories/{mode}-{rollout:05d}.json   sample episodes of that rollout:
+        [{"group", "trajectory", "seed", "length", "return", "won", "truncated", "env_error",
+          "steps": [{"step", "observation", "completion", "action", "valid", "reward",
+                     "step_group_size", "episode_advantage", "step_advantage", "advantage"}]}]
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from gigpo_trl.advantages import GiGPOAdvantages
+from gigpo_trl.rollout import Rollout
+
+# Histogram bins of the advantages; values outside [-4, 4] are counted in the outer bins.
+ADVANTAGE_BINS = np.linspace(-4.0, 4.0, 33)
+RECORDS_DIR = "gigpo"
+
+
+def iteration_record(step: int, mode: str, rollout: int, metrics: dict[str, float], step_group_sizes: np.ndarray,
+                     episode_advantages: np.ndarray, step_advantages: np.ndarray) -> dict[str, Any]:
+    """One rollout's record. The arrays hold one entry per step sample (all processes)."""
+    rows_per_size = Counter(int(size) for size in step_group_sizes)
+    return {
+        "step": step,
+        "mode": mode,
+        "rollout": rollout,
+        "metrics": metrics,
+        "step_group_sizes": {size: rows // size for size, rows in sorted(rows_per_size.items())},
+        "advantage_bins": ADVANTAGE_BINS.tolist(),
+        "episode_advantage_counts": _histogram(episode_advantages),
+        "step_advantage_counts": _histogram(step_advantages),
+    }
+
+
+def episode_records(rollout: Rollout, gigpo: GiGPOAdvantages, limit: int) -> list[dict[str, Any]]:
+    """The first `limit` episodes of a rollout with their steps and advantages, for the trajectory viewer."""
+    rows_of = {}
+    for row, sample in enumerate(rollout.steps):
+        rows_of.setdefault(sample.trajectory, []).append(row)
+    records = []
+    for episode in rollout.episodes[:limit]:
+        steps = []
+        for row in rows_of.get(episode.trajectory, []):
+            sample = rollout.steps[row]
+            steps.append({
+                "step": sample.step, "observation": sample.observation, "completion": sample.completion.text,
+                "action": sample.action, "valid": sample.valid, "reward": sample.reward,
+                "step_group_size": int(gigpo.step_group_sizes[row]),
+                "episode_advantage": float(gigpo.episode_advantages[row]),
+                "step_advantage": float(gigpo.step_advantages[row]), "advantage": float(gigpo.advantages[row]),
+            })
+        records.append({
+            "group": episode.group, "trajectory": episode.trajectory, "seed": episode.seed, "length": episode.length,
+            "return": episode.episode_return, "won": episode.won, "truncated": episode.truncated,
+            "env_error": episode.env_error, "steps": steps,
+        })
+    return records
+
+
+def write_records(output_dir: str | Path, record: dict[str, Any], episodes: list[dict[str, Any]]) -> None:
+    """Append an iteration record and write its sample episodes."""
+    directory = Path(output_dir) / RECORDS_DIR
+    (directory / "trajectories").mkdir(parents=True, exist_ok=True)
+    with open(directory / "iterations.jsonl", "a") as file:
+        file.write(json.dumps(record) + "\n")
+    name = f"{record['mode']}-{record['rollout']:05d}.json"
+    (directory / "trajectories" / name).write_text(json.dumps(episodes))
+
+
+def read_iterations(output_dir: str | Path) -> list[dict[str, Any]]:
+    """All iteration records of a run, in order (sizes as ints)."""
+    path = Path(output_dir) / RECORDS_DIR / "iterations.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"no GiGPO records in {output_dir}: {path} is missing (was it a GiGPOTrainer output_dir?)")
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    for record in records:
+        record["step_group_sizes"] = {int(size): count for size, count in record["step_group_sizes"].items()}
+    return records
+
+
+def read_trajectories(output_dir: str | Path) -> dict[str, list[dict[str, Any]]]:
+    """Sample episodes of every recorded rollout: {"train-00000": [...], "eval-00000": [...], ...}."""
+    directory = Path(output_dir) / RECORDS_DIR / "trajectories"
+    return {path.stem: json.loads(path.read_text()) for path in sorted(directory.glob("*.json"))}
+
+
+def _histogram(values: np.ndarray) -> list[int]:
+    clipped = np.clip(np.asarray(values, dtype=np.float64), ADVANTAGE_BINS[0], ADVANTAGE_BINS[-1])
+    return np.histogram(clipped, bins=ADVANTAGE_BINS)[0].tolist()
