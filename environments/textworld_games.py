@@ -49,6 +49,7 @@ import textworld.challenges
 import textworld.generator
 
 from gigpo_trl.envs import INFO_ADMISSIBLE_ACTIONS, INFO_ANCHOR, INFO_TASK, INFO_WON
+from gigpo_trl.paths import cache_root
 
 DEFAULT_CHALLENGE = "treasure_hunter"
 DEFAULT_SETTINGS: dict[str, dict[str, Any]] = {
@@ -77,7 +78,6 @@ _SETTING_CHOICES: dict[tuple[str, str], tuple[Any, ...]] = {
     ("cooking", "split"): (None, "train", "valid", "test"),
 }
 
-CACHE_ENV_VAR = "GIGPO_TRL_CACHE"
 GAME_FILE_NAME = "game.z8"
 _MAX_SEED = 2**32  # exclusive: TextWorld seeds a numpy RandomState with it
 
@@ -155,12 +155,9 @@ def state_anchor(facts: Iterable[Any], score: int) -> str:
 
 
 def default_cache_dir() -> Path:
-    """Where games are cached: `$GIGPO_TRL_CACHE/textworld` when that variable is set, else
-    `$XDG_CACHE_HOME/gigpo_trl/textworld`, else `~/.cache/gigpo_trl/textworld`."""
-    if os.environ.get(CACHE_ENV_VAR):
-        return Path(os.environ[CACHE_ENV_VAR]) / "textworld"
-    user_cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(user_cache) / "gigpo_trl" / "textworld"
+    """Where games are cached: the `textworld` folder of `gigpo_trl.paths.cache_root()`
+    (`$GIGPO_TRL_CACHE`, else `$XDG_CACHE_HOME/gigpo_trl`, else `~/.cache/gigpo_trl`)."""
+    return cache_root() / "textworld"
 
 
 class TextWorldEnv:

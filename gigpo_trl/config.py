@@ -74,6 +74,12 @@ class GiGPOConfig(GRPOConfig):
     history_length: int = field(
         default=2, metadata={"help": "K: the number of previous (observation, action) pairs shown in a step's prompt."}
     )
+    prompt_template: str | None = field(
+        default=None,
+        metadata={"help": "Wording of the step prompts: a template name ('default', 'sokoban', 'numbered_one_shot': "
+                  "answer with an action's number, shown once, for small models) or a JSON file of PromptTemplate "
+                  "fields. None: the environment's default."},
+    )
     step_timeout: float = field(
         default=30.0,
         metadata={"help": "Seconds an environment step may take; a hung environment ends its own trajectory only."},

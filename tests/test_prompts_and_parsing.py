@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gigpo_trl.parsing import parse_action
-from gigpo_trl.prompts import PromptTemplate, build_messages, template_for
+from gigpo_trl.prompts import PromptTemplate, build_messages, load_template, template_for
 
 ACTIONS = ["go north", "take red key", "take key", "open door"]
 
@@ -30,6 +30,23 @@ def test_prompt_without_history_actions_or_system():
     assert messages == [{"role": "user", "content": "Current observation (step 0):\nA room.\n\n" + PromptTemplate().instruction}]
     with pytest.raises(ValueError, match="history_length must be >= 0"):
         build_messages("A room.", history_length=-1)
+
+
+def test_a_template_with_examples_demonstrates_the_answer_before_the_step(tmp_path):
+    messages = build_messages("A room.", template=load_template("numbered_one_shot"))
+
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "user"]
+    assert messages[2]["content"] == "<action>1</action>"
+    assert messages[3]["content"].endswith("Answer with <action>N</action>, where N is the number of one admissible action.")
+
+    path = tmp_path / "template.json"
+    path.write_text('{"system": "", "instruction": "Act.", "examples": [["Hi", "<action>look</action>"]]}')
+    assert [m["role"] for m in build_messages("A room.", template=load_template(str(path)))] == ["user", "assistant", "user"]
+    path.write_text('{"sytem": "typo"}')
+    with pytest.raises(ValueError, match=r"unknown prompt template fields \['sytem'\]"):
+        load_template(str(path))
+    with pytest.raises(ValueError, match="neither a template name"):
+        load_template("no-such-template")
 
 
 def test_each_shipped_environment_has_a_template():

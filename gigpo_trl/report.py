@@ -1,0 +1,370 @@
+"""The run report: plots and a trajectory viewer, from the records a GiGPO run leaves in OUTPUT_DIR/gigpo/.
+
+    python -m gigpo_trl.report OUTPUT_DIR      ->  OUTPUT_DIR/report/index.html, with its PNG plots beside it
+
+The page is self-contained (no network, no external CSS or JS): open it in any browser, or copy the
+report folder elsewhere. Plots use matplotlib's Agg renderer through `Figure` objects, never pyplot, so
+writing a report leaves the caller's plotting state alone (e.g. in a notebook).
+"""
+
+from __future__ import annotations
+
+import argparse
+import html
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+
+from gigpo_trl.records import RECORDS_DIR, read_iterations, read_trajectories
+
+REPORT_DIR = "report"
+# Sample episodes can be long (8 episodes x max_env_steps steps per rollout): the page shows those of
+# the last few rollouts of each mode only.
+DEFAULT_ROLLOUTS_SHOWN = 10
+STEP_AXIS_LABEL = "training step (optimizer updates so far)"
+MODE_NAMES = {"train": "Training", "eval": "Evaluation"}
+
+PLOT_CAPTIONS = {
+    "outcomes.png": "Success rate, mean return and mean episode length of every rollout.",
+    "step_groups.png": "Step groups: the states that several copies of a task reached, whose steps GiGPO compares.",
+    "advantages.png": "Distributions of the episode advantage A_E and of the step advantage A_S over step samples.",
+}
+
+# The metrics of the table at the top of the page, with what they mean.
+KEY_METRICS = {
+    "env/success_rate": "share of episodes won",
+    "env/return_mean": "mean episode return",
+    "env/episode_length_mean": "mean episode length (environment steps)",
+    "env/truncated_share": "share of episodes cut off (step limit or environment failure)",
+    "env/env_error_share": "share of episodes ended by an environment error",
+    "env/invalid_action_rate": "share of answers without a well-formed <action> block",
+    "env/step_samples": "step samples (one per environment step)",
+    "gigpo/step_group_size_mean": "mean step-group size (step samples per group of equal states)",
+    "gigpo/step_group_size_max": "largest step group",
+    "gigpo/singleton_share": "share of step groups of size 1 (their step advantage is 0)",
+    "gigpo/nonzero_step_advantage_share": "share of step samples with a nonzero step advantage A_S",
+    "gigpo/episode_advantage_std": "standard deviation of the episode advantage A_E",
+    "gigpo/step_advantage_std": "standard deviation of the step advantage A_S",
+    "timing/rollout_s": "rollout time (seconds)",
+    "generation/tokens_per_s": "generation throughput (tokens per second)",
+}
+
+# C0/C1 control characters (tabs and newlines aside) are not allowed in HTML text; small models emit them.
+CONTROL_CHARACTERS = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
+
+
+def write_report(output_dir: str | Path, max_rollouts: int = DEFAULT_ROLLOUTS_SHOWN) -> Path:
+    """Write the report of a GiGPO run into OUTPUT_DIR/report/ and return that folder.
+
+    Args:
+        output_dir: the `output_dir` of a `GiGPOTrainer` run (it holds gigpo/iterations.jsonl).
+        max_rollouts: the trajectory viewer shows the sample episodes of the last `max_rollouts`
+            training rollouts and of the last `max_rollouts` evaluation rollouts (0: none).
+
+    Raises:
+        FileNotFoundError: the run has no records, or none yet.
+    """
+    records = read_iterations(output_dir)
+    if not records:
+        raise FileNotFoundError(f"no GiGPO records in {output_dir}: {RECORDS_DIR}/iterations.jsonl is empty (no rollout has finished yet)")
+    train = [record for record in records if record["mode"] == "train"]
+    evaluation = [record for record in records if record["mode"] == "eval"]
+
+    report_dir = Path(output_dir) / REPORT_DIR
+    report_dir.mkdir(parents=True, exist_ok=True)
+    _plot_outcomes(train, evaluation).savefig(report_dir / "outcomes.png", dpi=100)
+    _plot_step_groups(train, evaluation).savefig(report_dir / "step_groups.png", dpi=100)
+    _plot_advantages(train, evaluation).savefig(report_dir / "advantages.png", dpi=100)
+
+    page = _page(Path(output_dir), records, _trajectory_viewer(records, read_trajectories(output_dir), max_rollouts))
+    (report_dir / "index.html").write_text(page, encoding="utf-8")
+    return report_dir
+
+
+# ------------------------------------------------------------------------------------------
+# Plots.
+# ------------------------------------------------------------------------------------------
+
+
+def _plot_outcomes(train: list[dict[str, Any]], evaluation: list[dict[str, Any]]) -> Figure:
+    figure = Figure(figsize=(15, 4.2), layout="constrained")
+    panels = (
+        ("env/success_rate", "Success rate", "share of episodes won"),
+        ("env/return_mean", "Mean episode return", "return (sum of rewards)"),
+        ("env/episode_length_mean", "Mean episode length", "environment steps per episode"),
+    )
+    for axes, (metric, title, unit) in zip(figure.subplots(1, 3), panels):
+        _plot_metric(axes, train, evaluation, metric)
+        axes.set(title=title, xlabel=STEP_AXIS_LABEL, ylabel=unit)
+    figure.axes[0].set_ylim(-0.05, 1.05)
+    return figure
+
+
+def _plot_step_groups(train: list[dict[str, Any]], evaluation: list[dict[str, Any]]) -> Figure:
+    figure = Figure(figsize=(13, 4.2), layout="constrained")
+    sizes_axes, singletons_axes = figure.subplots(1, 2)
+
+    compared = _first_and_last(train, evaluation)
+    width = 0.8 / len(compared)
+    for position, (label, record) in enumerate(compared):
+        groups = record["step_group_sizes"]
+        total = max(sum(groups.values()), 1)
+        offset = (position - (len(compared) - 1) / 2) * width
+        sizes_axes.bar([size + offset for size in groups], [count / total for count in groups.values()], width=width, label=label)
+    sizes = [size for _, record in compared for size in record["step_group_sizes"]]
+    if sizes:
+        sizes_axes.set_xlim(min(sizes) - 0.5, max(sizes) + 0.5)
+    sizes_axes.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
+    sizes_axes.margins(y=0.2)  # room for the legend above the bars
+    sizes_axes.set(title="Step-group sizes", xlabel="step-group size (step samples taken in the same state)",
+                   ylabel="share of the rollout's step groups")
+    sizes_axes.legend()
+
+    _plot_metric(singletons_axes, train, evaluation, "gigpo/singleton_share")
+    singletons_axes.set(title="Singleton step groups (step advantage 0)", xlabel=STEP_AXIS_LABEL,
+                        ylabel="share of step groups of size 1", ylim=(-0.05, 1.05))
+    return figure
+
+
+def _plot_advantages(train: list[dict[str, Any]], evaluation: list[dict[str, Any]]) -> Figure:
+    figure = Figure(figsize=(13, 4.2), layout="constrained")
+    panels = (
+        ("episode_advantage_counts", "Episode advantage A_E", "A_E"),
+        ("step_advantage_counts", "Step advantage A_S", "A_S"),
+    )
+    compared = _first_and_last(train, evaluation)
+    for axes, (counts_key, title, symbol) in zip(figure.subplots(1, 2), panels):
+        for position, (label, record) in enumerate(compared):
+            counts = np.asarray(record[counts_key], dtype=np.float64)
+            shares = counts / max(counts.sum(), 1.0)
+            filled = position == 0  # the first rollout filled, the last one outlined on top of it
+            axes.stairs(shares, record["advantage_bins"], label=label, fill=filled, alpha=0.4 if filled else 1.0,
+                        linewidth=2, color=f"C{position}")
+        axes.grid(alpha=0.3)
+        axes.margins(y=0.15)  # room for the legend above the bars
+        axes.set(title=title, xlabel=f"{symbol} (values beyond ±4 are counted in the outer bins)",
+                 ylabel="share of the rollout's step samples")
+        axes.legend()
+    return figure
+
+
+def _plot_metric(axes: Axes, train: list[dict[str, Any]], evaluation: list[dict[str, Any]], metric: str) -> None:
+    """One metric against the training step: training rollouts as a line, evaluations as hollow squares
+    (a training point at the same step stays visible inside)."""
+    for records, label, style in (
+        (train, "training rollouts", {"marker": "o", "markersize": 4}),
+        (evaluation, "evaluation (held-out tasks)",
+         {"marker": "s", "markersize": 9, "markerfacecolor": "none", "markeredgewidth": 1.5, "linestyle": "--"}),
+    ):
+        if records:
+            values = [record["metrics"].get(metric, np.nan) for record in records]
+            axes.plot([record["step"] for record in records], values, label=label, **style)
+    steps = [record["step"] for record in train + evaluation]
+    if min(steps) == max(steps):  # a single step: whole-step ticks around it rather than fractions of a step
+        axes.set_xlim(steps[0] - 1, steps[0] + 1)
+    axes.xaxis.set_major_locator(MaxNLocator(integer=True))
+    axes.grid(alpha=0.3)
+    axes.legend()
+
+
+def _first_and_last(train: list[dict[str, Any]], evaluation: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
+    """The rollouts whose distributions the plots compare: the first and last training rollouts
+    (evaluation rollouts in a run without training records), with their legend labels."""
+    records, kind = (train, "training") if train else (evaluation, "evaluation")
+    if len(records) == 1:
+        return [(f"{kind} rollout (step {records[0]['step']})", records[0])]
+    return [(f"first {kind} rollout (step {records[0]['step']})", records[0]),
+            (f"last {kind} rollout (step {records[-1]['step']})", records[-1])]
+
+
+# ------------------------------------------------------------------------------------------
+# The page.
+# ------------------------------------------------------------------------------------------
+
+
+def _page(output_dir: Path, records: list[dict[str, Any]], viewer: str) -> str:
+    counts = {mode: sum(record["mode"] == mode for record in records) for mode in MODE_NAMES}
+    steps = [record["step"] for record in records]
+    figures = "\n".join(
+        f'<figure><img src="{name}" alt="{_escape(caption)}"><figcaption>{_escape(caption)}</figcaption></figure>'
+        for name, caption in PLOT_CAPTIONS.items()
+    )
+    return f"""<!DOCTYPE html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<title>GiGPO report: {_escape(output_dir.name)}</title>
+<style>{STYLE}</style>
+</head>
+<body>
+<h1>GiGPO run report</h1>
+<p>Run <code>{_escape(output_dir.resolve())}</code>: {counts["train"]} training and {counts["eval"]} evaluation
+rollouts recorded, training steps {min(steps)} to {max(steps)}.</p>
+<h2>Latest metrics</h2>
+{_metrics_table(records)}
+<h2>Plots</h2>
+{figures}
+<h2>Trajectories</h2>
+{viewer}
+</body>
+</html>
+"""
+
+
+def _metrics_table(records: list[dict[str, Any]]) -> str:
+    """The key metrics of the last training and the last evaluation rollout, side by side."""
+    latest = {record["mode"]: record for record in records}
+    columns = [latest[mode] for mode in MODE_NAMES if mode in latest]
+    header = "".join(f"<th>last {MODE_NAMES[record['mode']].lower()} rollout<br>(step {record['step']})</th>" for record in columns)
+    rows = []
+    for metric, meaning in KEY_METRICS.items():
+        cells = "".join(f"<td>{_number(record['metrics'].get(metric))}</td>" for record in columns)
+        rows.append(f"<tr><td>{_escape(meaning)}</td><td><code>{_escape(metric)}</code></td>{cells}</tr>")
+    return f'<table class="metrics"><tr><th>metric</th><th>logged as</th>{header}</tr>\n' + "\n".join(rows) + "\n</table>"
+
+
+def _trajectory_viewer(records: list[dict[str, Any]], trajectories: dict[str, list[dict[str, Any]]], max_rollouts: int) -> str:
+    """Each mode's last `max_rollouts` rollouts, newest first; each expands into its sample episodes,
+    and each episode into its steps."""
+    # A resumed run restarts the rollout count and rewrites the trajectory file: the latest record matches it.
+    record_of = {f"{record['mode']}-{record['rollout']:05d}": record for record in records}
+    sections = []
+    for mode, mode_name in MODE_NAMES.items():
+        names = [name for name in trajectories if name.startswith(f"{mode}-")]
+        if not names:
+            continue
+        shown = names[-max_rollouts:] if max_rollouts else []
+        left_out = len(names) - len(shown)
+        note = f" ({left_out} older left out; <code>--rollouts</code> sets how many are shown)" if left_out else ""
+        sections.append(f"<h3>{mode_name} rollouts</h3>\n<p>Sample episodes of the last {len(shown)} of {len(names)} "
+                        f"recorded {mode_name.lower()} rollouts{note}, newest first.</p>")
+        for position, name in enumerate(reversed(shown)):
+            sections.append(_rollout_details(mode_name, name, record_of.get(name), trajectories[name], open_=position == 0))
+    if not sections:
+        return "<p>The run recorded no sample episodes.</p>"
+    return "\n".join([
+        "<p>Each rollout lists its sample episodes (the trainer records the first <code>log_trajectories</code> "
+        "episodes of every rollout); open an episode to see its steps in order. Rows of invalid answers are shaded; "
+        "A = A_E + step_advantage_weight &times; A_S is the advantage of the loss.</p>",
+        '<p><button type="button" onclick="setAll(true)">expand all</button> '
+        '<button type="button" onclick="setAll(false)">collapse all</button></p>',
+        "<script>function setAll(open) { document.querySelectorAll('details').forEach(d => d.open = open); }</script>",
+        *sections,
+    ])
+
+
+def _rollout_details(mode_name: str, name: str, record: dict[str, Any] | None, episodes: list[dict[str, Any]], open_: bool) -> str:
+    index = int(name.split("-")[1])
+    summary = f"{mode_name} rollout {index}"
+    if record is not None:
+        metrics = record["metrics"]
+        summary += (f" · step {record['step']} · success rate {_number(metrics.get('env/success_rate'))}"
+                    f" · mean return {_number(metrics.get('env/return_mean'))}")
+    summary += f" · {len(episodes)} sample episodes"
+    body = "\n".join(_episode_details(episode) for episode in episodes) or "<p>No sample episodes recorded.</p>"
+    return f'<details class="rollout"{" open" if open_ else ""}><summary>{summary}</summary>\n{body}\n</details>'
+
+
+def _episode_details(episode: dict[str, Any]) -> str:
+    outcome = ["won" if episode["won"] else "not won"]
+    if episode["truncated"]:
+        outcome.append("truncated")
+    if episode["env_error"] is not None:
+        outcome.append(f"environment error: {_escape(episode['env_error'])}")
+    summary = (f"task group {episode['group']} · environment {episode['trajectory']} · seed {_escape(episode['seed'])}"
+               f" · return {episode['return']:.3f} · {episode['length']} steps · "
+               f'<span class="{"won" if episode["won"] else "lost"}">{", ".join(outcome)}</span>')
+    header = "".join(
+        f'<th title="{_escape(explanation)}">{label}</th>'
+        for label, explanation in (
+            ("step", "t, 0-based"),
+            ("observation", "what the environment showed before the answer"),
+            ("answer", "the model's completion"),
+            ("action sent", "what the environment received"),
+            ("valid", "the answer had a well-formed <action> block"),
+            ("reward", "r_t, received after the action"),
+            ("step group", "how many step samples of the task group were taken in this state"),
+            ("A_E", "episode advantage"),
+            ("A_S", "step advantage (0 in a step group of size 1)"),
+            ("A", "A_E + step_advantage_weight * A_S, the advantage of the loss"),
+        )
+    )
+    rows = [
+        f'<tr class="{"valid" if step["valid"] else "invalid"}"><td>{step["step"]}</td>'
+        f'<td><pre>{_escape(step["observation"])}</pre></td><td><pre>{_escape(step["completion"])}</pre></td>'
+        f'<td><pre>{_escape(step["action"])}</pre></td><td>{"yes" if step["valid"] else "no"}</td>'
+        f'<td>{step["reward"]:.3f}</td><td>{step["step_group_size"]}</td><td>{step["episode_advantage"]:.3f}</td>'
+        f'<td>{step["step_advantage"]:.3f}</td><td>{step["advantage"]:.3f}</td></tr>'
+        for step in episode["steps"]
+    ]
+    table = f'<table class="steps"><tr>{header}</tr>\n' + "\n".join(rows) + "\n</table>"
+    return f'<details class="episode"><summary>{summary}</summary>\n{table}\n</details>'
+
+
+def _escape(value: Any) -> str:
+    """Record text as HTML text: escaped, with control characters shown as \\xNN."""
+    text = CONTROL_CHARACTERS.sub(lambda match: f"\\x{ord(match.group()):02x}", str(value))
+    return html.escape(text)
+
+
+def _number(value: float | None) -> str:
+    return "–" if value is None else f"{value:.4g}"
+
+
+STYLE = """
+body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1400px; padding: 0 1em; color: #222; }
+h2 { border-bottom: 1px solid #ccc; margin-top: 2em; }
+table { border-collapse: collapse; margin: 0.5em 0; }
+th, td { border: 1px solid #ddd; padding: 0.25em 0.5em; vertical-align: top; text-align: left; }
+th { background: #f3f3f3; }
+table.metrics td:nth-child(n+3), table.steps td:nth-child(n+5) { text-align: right; font-variant-numeric: tabular-nums; }
+figure { margin: 1em 0; }
+figure img { max-width: 100%; }
+figcaption { color: #555; }
+details { margin: 0.3em 0; }
+details.rollout { border: 1px solid #ccc; border-radius: 4px; padding: 0.3em 0.6em; }
+details.episode { margin-left: 1.5em; }
+summary { cursor: pointer; }
+pre { margin: 0; white-space: pre-wrap; word-break: break-word; max-height: 20em; overflow: auto; font-size: 0.85em; }
+tr.invalid { background: #fff3f3; }
+.won { color: #17702a; font-weight: bold; }
+.lost { color: #a33; }
+"""
+
+
+# ------------------------------------------------------------------------------------------
+# Command line.
+# ------------------------------------------------------------------------------------------
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m gigpo_trl.report OUTPUT_DIR`: write the report and print the path of its index.html."""
+    parser = argparse.ArgumentParser(
+        prog="python -m gigpo_trl.report",
+        description="Write the report of a GiGPO training run (plots of success rate, return, episode length, "
+        "step groups and advantages, and a trajectory viewer) into OUTPUT_DIR/report/, and print the path of "
+        "its index.html.",
+    )
+    parser.add_argument("output_dir", metavar="OUTPUT_DIR", help="the output_dir of a GiGPOTrainer run (it holds gigpo/iterations.jsonl)")
+    parser.add_argument("--rollouts", type=int, default=DEFAULT_ROLLOUTS_SHOWN, metavar="N",
+                        help="show the sample episodes of the last N training and last N evaluation rollouts "
+                        f"(default: {DEFAULT_ROLLOUTS_SHOWN}; 0: none)")
+    args = parser.parse_args(argv)
+    if args.rollouts < 0:
+        parser.error(f"--rollouts must be >= 0, got {args.rollouts}")
+    try:
+        report_dir = write_report(args.output_dir, max_rollouts=args.rollouts)
+    except FileNotFoundError as error:
+        parser.exit(1, f"{parser.prog}: error: {error}\n")
+    print(report_dir / "index.html")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,83 @@
+"""The recipes: every YAML config parses into the script's arguments, GRPO baselines differ from their
+GiGPO config only in omega, and the script trains end to end on one and on two CPU processes."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from trl import ModelConfig, TrlParser
+
+from gigpo_trl.config import GiGPOConfig
+
+RECIPES = Path(__file__).resolve().parent.parent / "recipes"
+CONFIGS = sorted((RECIPES / "configs").glob("*.yaml"))
+
+
+def recipe_module():
+    if "train_gigpo" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("train_gigpo", RECIPES / "train_gigpo.py")
+        sys.modules["train_gigpo"] = importlib.util.module_from_spec(spec)  # dataclasses look their module up
+        spec.loader.exec_module(sys.modules["train_gigpo"])
+    return sys.modules["train_gigpo"]
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)
+def test_every_config_parses_into_the_script_arguments(config, monkeypatch):
+    monkeypatch.setattr(GiGPOConfig, "__post_init__", _post_init_without_device_checks)
+    parser = TrlParser((recipe_module().TaskArguments, GiGPOConfig, ModelConfig))
+    task_args, training_args, model_args = parser.parse_args_and_config(args=["--config", str(config)])
+
+    assert training_args.env_name in ("textworld", "sokoban")
+    assert training_args.num_generations >= 2 and task_args.num_train_tasks > 0
+
+
+def _post_init_without_device_checks(self):
+    """GPU configs (bf16, vLLM) are checked for their fields, not for this machine's devices."""
+    self.bf16 = False
+    self.use_vllm = False
+    GiGPOConfig.__mro__[1].__post_init__(self)
+    self._check_gigpo_fields()
+
+
+@pytest.mark.parametrize("baseline", [p for p in CONFIGS if p.stem.endswith("_grpo")], ids=lambda p: p.name)
+def test_each_grpo_baseline_differs_from_its_gigpo_config_only_in_omega(baseline):
+    gigpo_name = baseline.name.replace("quickstart_cpu_grpo", "quickstart_cpu").replace("_grpo.yaml", "_gigpo.yaml")
+    gigpo = yaml.safe_load((RECIPES / "configs" / gigpo_name).read_text())
+    grpo = yaml.safe_load(baseline.read_text())
+
+    assert (gigpo["step_advantage_weight"], grpo["step_advantage_weight"]) == (1.0, 0.0)
+    differing = {key for key in gigpo.keys() | grpo.keys() if gigpo.get(key) != grpo.get(key)}
+    assert differing == {"step_advantage_weight", "output_dir"}
+
+
+def run_recipe(launcher: list[str], model_dir: str, output_dir: Path) -> subprocess.CompletedProcess:
+    command = [*launcher, str(RECIPES / "train_gigpo.py"), "--config", str(RECIPES / "configs" / "smoke_cpu.yaml"),
+               "--model_name_or_path", model_dir, "--output_dir", str(output_dir)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result
+
+
+@pytest.mark.timeout(600)
+def test_the_recipe_trains_evaluates_saves_and_reports(tmp_path, tiny_model_path):
+    result = run_recipe([sys.executable], tiny_model_path, tmp_path)
+
+    assert "Held-out success rate (2 tasks):" in result.stdout
+    assert (tmp_path / "model.safetensors").is_file()
+    assert (tmp_path / "report" / "index.html").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_recipe_runs_under_accelerate_launch_on_two_cpu_processes(tmp_path, tiny_model_path):
+    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                str(RECIPES / "accelerate" / "cpu_2proc.yaml")]
+    result = run_recipe(launcher, tiny_model_path, tmp_path)
+
+    assert "Held-out success rate" in result.stdout
+    assert (tmp_path / "report" / "index.html").is_file()

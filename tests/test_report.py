@@ -1,0 +1,219 @@
+"""The run report (`gigpo_trl.report`), written from the records of a real tiny GiGPO run on CPU."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from collections import Counter
+from html.parser import HTMLParser
+from pathlib import Path
+
+import matplotlib.image
+import pytest
+import torch
+from scripted_policy import ScriptedTrainer
+from toy_envs import Corridor
+
+from gigpo_trl.config import GiGPOConfig
+from gigpo_trl.records import read_iterations, read_trajectories
+from gigpo_trl.report import write_report
+from gigpo_trl.trainer import task_dataset
+
+pytestmark = pytest.mark.timeout(120)
+
+PLOTS = ["advantages.png", "outcomes.png", "step_groups.png"]
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory, tiny_model_path) -> Path:
+    """The output of a real run: 4 training rollouts, evaluations at steps 2 and 4. The scripted answers
+    (tests/scripted_policy.py) hold <think> and <action> tags, and some copies win while others are cut off."""
+    output_dir = tmp_path_factory.mktemp("run")
+    config = GiGPOConfig(
+        output_dir=str(output_dir), per_device_train_batch_size=4, num_generations=2, steps_per_generation=1,
+        gradient_accumulation_steps=1, max_steps=4, max_completion_length=2, max_env_steps=4, logging_steps=1,
+        report_to=[], gradient_checkpointing=False, save_strategy="no", eval_strategy="steps", eval_steps=2,
+        per_device_eval_batch_size=2, env_processes=False, disable_tqdm=True, seed=0,
+    )
+    trainer = ScriptedTrainer(tiny_model_path, args=config, env=Corridor, train_dataset=task_dataset(range(4)),
+                              eval_dataset=task_dataset([100]))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as fast for a tiny model, and many times faster when other processes share the cores
+    try:
+        trainer.train()
+    finally:
+        torch.set_num_threads(threads)
+        trainer.close_environments()
+    return output_dir
+
+
+@pytest.fixture(scope="module")
+def report_dir(run_dir) -> Path:
+    return write_report(run_dir)
+
+
+def copy_of_run(run_dir: Path, destination: Path, keep=lambda record: True) -> Path:
+    """The run's records in `destination`, with only the iteration records that `keep` accepts."""
+    shutil.copytree(run_dir / "gigpo", destination / "gigpo")
+    lines = (destination / "gigpo" / "iterations.jsonl").read_text().splitlines()
+    (destination / "gigpo" / "iterations.jsonl").write_text("".join(line + "\n" for line in lines if keep(json.loads(line))))
+    return destination
+
+
+class StepRows(HTMLParser):
+    """The cell texts (unescaped) of every data row of the page's step tables."""
+
+    def __init__(self, page: str):
+        super().__init__()
+        self.rows: list[tuple[str, ...]] = []
+        self._in_step_table, self._row, self._cell = False, None, None
+        self.feed(page)
+
+    def handle_starttag(self, tag, attrs):
+        if tag == "table":
+            self._in_step_table = ("class", "steps") in attrs
+        elif tag == "tr" and self._in_step_table:
+            self._row = []
+        elif tag == "td" and self._row is not None:
+            self._cell = []
+
+    def handle_endtag(self, tag):
+        if tag == "td" and self._cell is not None:
+            self._row.append("".join(self._cell))
+            self._cell = None
+        elif tag == "tr" and self._row:
+            self.rows.append(tuple(self._row))
+            self._row = None
+
+    def handle_data(self, data):
+        if self._cell is not None:
+            self._cell.append(data)
+
+
+def expected_rows(episodes: list[dict]) -> list[tuple[str, ...]]:
+    return [
+        (str(step["step"]), step["observation"], step["completion"], step["action"], "yes" if step["valid"] else "no",
+         f"{step['reward']:.3f}", str(step["step_group_size"]), f"{step['episode_advantage']:.3f}",
+         f"{step['step_advantage']:.3f}", f"{step['advantage']:.3f}")
+        for episode in episodes
+        for step in episode["steps"]
+    ]
+
+
+def assert_valid_plots(report_dir: Path) -> None:
+    for name in PLOTS:
+        path = report_dir / name
+        assert path.read_bytes().startswith(PNG_SIGNATURE), name
+        image = matplotlib.image.imread(path)
+        assert image.shape[0] >= 300 and image.shape[1] >= 1000, (name, image.shape)
+        assert image.std() > 0, f"{name} is blank"
+
+
+def test_the_run_recorded_what_the_report_needs(run_dir):
+    modes = [record["mode"] for record in read_iterations(run_dir)]
+    assert modes == ["train", "train", "eval", "train", "train", "eval"]
+    assert sorted(read_trajectories(run_dir)) == ["eval-00000", "eval-00001"] + [f"train-{k:05d}" for k in range(4)]
+
+
+def test_the_report_folder_holds_the_plots_and_the_page(run_dir, report_dir):
+    assert report_dir == run_dir / "report"
+    assert sorted(path.name for path in report_dir.iterdir()) == sorted([*PLOTS, "index.html"])
+    assert_valid_plots(report_dir)
+
+
+def test_the_page_is_self_contained_and_shows_every_plot(report_dir):
+    page = (report_dir / "index.html").read_text()
+    assert sorted(re.findall(r'<img src="([^"]+)"', page)) == PLOTS
+    assert "http://" not in page and "https://" not in page and "<link" not in page
+
+
+def test_the_page_tables_the_last_metrics_of_training_and_evaluation(run_dir, report_dir):
+    page = (report_dir / "index.html").read_text()
+    last_train, last_eval = read_iterations(run_dir)[-2:]
+    assert "last training rollout<br>(step 3)" in page and "last evaluation rollout<br>(step 4)" in page
+    success_row = re.search(r"<tr><td>share of episodes won</td>.*</tr>", page).group()
+    assert success_row.endswith(f"<td>{last_train['metrics']['env/success_rate']:.4g}</td>"
+                                f"<td>{last_eval['metrics']['env/success_rate']:.4g}</td></tr>")
+
+
+def test_record_text_is_html_escaped(report_dir):
+    page = (report_dir / "index.html").read_text()
+    assert "&lt;think&gt;keep going&lt;/think&gt;&lt;action&gt;right&lt;/action&gt;" in page
+    assert "<think>" not in page and "<action>" not in page
+
+
+def test_the_viewer_shows_every_step_of_every_sample_episode_with_its_fields(run_dir, report_dir):
+    page = (report_dir / "index.html").read_text()
+    trajectories = read_trajectories(run_dir)
+    recorded = [row for episodes in trajectories.values() for row in expected_rows(episodes)]
+    assert Counter(StepRows(page).rows) == Counter(recorded)
+    for episode in trajectories["train-00003"]:
+        assert f"seed {episode['seed']} · return {episode['return']:.3f} · {episode['length']} steps" in page
+    assert 'class="won">won</span>' in page and "not won, truncated" in page
+
+
+def test_the_viewer_shows_the_last_rollouts_only_and_says_how_many_were_left_out(run_dir, tmp_path):
+    copy = copy_of_run(run_dir, tmp_path)
+
+    page = (write_report(copy, max_rollouts=1) / "index.html").read_text()
+
+    trajectories = read_trajectories(copy)
+    shown = expected_rows(trajectories["train-00003"]) + expected_rows(trajectories["eval-00001"])
+    assert Counter(StepRows(page).rows) == Counter(shown)
+    assert "the last 1 of 4 recorded training rollouts (3 older left out" in page
+    assert "the last 1 of 2 recorded evaluation rollouts (1 older left out" in page
+
+
+@pytest.mark.parametrize(
+    ("keep", "summary"),
+    [
+        (lambda record: record["step"] == 0, "1 training and 0 evaluation"),
+        (lambda record: record["mode"] == "train", "4 training and 0 evaluation"),
+        (lambda record: record["mode"] == "eval", "0 training and 2 evaluation"),
+    ],
+    ids=["single-iteration", "train-only", "eval-only"],
+)
+def test_a_report_of_part_of_the_records_still_has_every_plot(run_dir, tmp_path, keep, summary):
+    report_dir = write_report(copy_of_run(run_dir, tmp_path, keep))
+
+    assert_valid_plots(report_dir)
+    assert summary in (report_dir / "index.html").read_text()
+
+
+def test_writing_a_report_opens_no_pyplot_figure(run_dir, tmp_path):
+    import matplotlib.pyplot as plt  # noqa: PLC0415 (only this test needs pyplot)
+
+    write_report(copy_of_run(run_dir, tmp_path))
+
+    assert plt.get_fignums() == []
+
+
+def test_the_command_line_writes_the_report_and_prints_the_page_path(run_dir, tmp_path):
+    copy = copy_of_run(run_dir, tmp_path)
+
+    result = subprocess.run([sys.executable, "-m", "gigpo_trl.report", str(copy)], capture_output=True, text=True, check=False)
+
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == str(copy / "report" / "index.html")
+    assert (copy / "report" / "index.html").is_file()
+
+
+def test_the_command_line_without_records_fails_with_a_message(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "gigpo_trl.report", str(tmp_path)], capture_output=True, text=True, check=False)
+
+    assert result.returncode == 1
+    assert f"no GiGPO records in {tmp_path}" in result.stderr and "iterations.jsonl is missing" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "report").exists()
+
+
+def test_a_run_without_a_finished_rollout_has_no_report(tmp_path):
+    (tmp_path / "gigpo").mkdir()
+    (tmp_path / "gigpo" / "iterations.jsonl").write_text("")
+
+    with pytest.raises(FileNotFoundError, match="iterations.jsonl is empty"):
+        write_report(tmp_path)
