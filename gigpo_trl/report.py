@@ -93,16 +93,18 @@ def write_report(output_dir: str | Path, max_rollouts: int = DEFAULT_ROLLOUTS_SH
 
 
 def _plot_outcomes(train: list[dict[str, Any]], evaluation: list[dict[str, Any]]) -> Figure:
-    figure = Figure(figsize=(15, 4.2), layout="constrained")
+    figure = Figure(figsize=(20, 4.2), layout="constrained")
     panels = (
         ("env/success_rate", "Success rate", "share of episodes won"),
         ("env/return_mean", "Mean episode return", "return (sum of rewards)"),
         ("env/episode_length_mean", "Mean episode length", "environment steps per episode"),
+        ("env/invalid_action_rate", "Invalid answers", "share of answers without <action>...</action>"),
     )
-    for axes, (metric, title, unit) in zip(figure.subplots(1, 3), panels):
+    for axes, (metric, title, unit) in zip(figure.subplots(1, 4), panels):
         _plot_metric(axes, train, evaluation, metric)
         axes.set(title=title, xlabel=STEP_AXIS_LABEL, ylabel=unit)
-    figure.axes[0].set_ylim(-0.05, 1.05)
+    for share in (figure.axes[0], figure.axes[3]):
+        share.set_ylim(-0.05, 1.05)
     return figure
 
 

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from accelerate.utils import gather_object
 from datasets import Dataset
+from transformers import TrainerCallback
 from trl import GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import pad, use_adapter
@@ -26,6 +27,7 @@ from gigpo_trl.envs import TextEnv, env_factory
 from gigpo_trl.models import resolve_model
 from gigpo_trl.prompts import PromptTemplate, load_template, template_for
 from gigpo_trl.records import count_rollouts, episode_records, iteration_record, write_records
+from gigpo_trl.report import write_report
 from gigpo_trl.rollout import DUMMY_PROMPT, Completion, Messages, Rollout, collect_rollout
 
 # Above this share of singleton step groups, step advantages are almost all 0: GiGPO ~ GRPO.
@@ -123,6 +125,7 @@ class GiGPOTrainer(GRPOTrainer):
         self._warned_singletons = False
         self._rollouts_recorded = count_rollouts(args.output_dir)
         self.last_rollout: Rollout | None = None  # the latest rollout of this process (trajectories, for reports)
+        self.add_callback(ReportCallback())
 
     # ------------------------------------------------------------------------------------------
     # The one overridden step of GRPOTrainer.
@@ -435,6 +438,14 @@ class GiGPOTrainer(GRPOTrainer):
         self._logs["completion"].extend(gather_object([s.completion.text for s in rollout.steps]))
         self._logs["rewards"]["environment_reward"].extend(gather_object([s.reward for s in rollout.steps]))
         self._logs["advantages"].extend(gather_object([float(a) for a in advantages]))
+
+
+class ReportCallback(TrainerCallback):
+    """Draws the run report (`gigpo_trl.report`) into output_dir/report when training ends."""
+
+    def on_train_end(self, args: GiGPOConfig, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.is_world_process_zero:
+            write_report(args.output_dir)
 
 
 def importance_sampling_ratio(

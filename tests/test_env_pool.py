@@ -111,3 +111,23 @@ def test_bad_requests_name_the_problem():
             pool.reset([Task(seed=0)])
         with pytest.raises(ValueError, match=r"unknown environment ids \[7\]"):
             pool.step({7: "left"})
+
+
+HAZARD_ACTIONS = ["take\x00passkey", "\\x", "go south\ntake passkey", "go " * 2500, "gehe nach Süden ☃", ""]
+
+
+@pytest.mark.timeout(180)
+def test_hazard_actions_neither_crash_nor_hang_a_pool_of_textworld_games(tmp_path):
+    from gigpo_trl.envs import env_factory
+
+    make = env_factory("textworld", cache_dir=str(tmp_path))
+    with EnvPool(make, num_groups=1, group_size=len(HAZARD_ACTIONS), step_timeout=20, name="textworld") as pool:
+        start = pool.reset([Task(seed=0)])
+        outputs = pool.step(dict(enumerate(HAZARD_ACTIONS)))
+        follow_up = pool.step({i: "look" for i in range(pool.num_envs)})
+
+    assert pool.num_restarts == 0
+    assert not any(INFO_ENV_ERROR in o.info or o.truncated for o in [*outputs.values(), *follow_up.values()])
+    # Only the first line of the newline action ran: the game did not take the passkey behind our back.
+    assert outputs[2].reward == 0.0 and outputs[2].anchor != start[2].anchor  # went south only
+    assert outputs[5].anchor == start[5].anchor  # the empty command changes nothing
