@@ -31,6 +31,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from gigpo_trl.envs import check_step_call
+
 Cell = tuple[int, int]  # (row, column), row 0 at the top
 
 ACTIONS = ("up", "down", "left", "right")
@@ -151,12 +153,7 @@ class SokobanEnv:
 
     def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
         """Take one action; returns `(observation, reward, terminated, truncated, info)`."""
-        if self._room is None:
-            raise RuntimeError("call reset() before step()")
-        if self._episode_over:
-            raise RuntimeError("the episode has ended (terminated or truncated); call reset() before step()")
-        if not isinstance(action, str):
-            raise TypeError(f"action must be a str, got {type(action).__name__}")
+        check_step_call(reset_done=self._room is not None, episode_over=self._episode_over, action=action)
         move = _MOVES.get(action.strip().lower())
         boxes_on_target_before = self._boxes_on_target()
         if move is not None:

@@ -48,7 +48,7 @@ import textworld
 import textworld.challenges
 import textworld.generator
 
-from gigpo_trl.envs import INFO_ADMISSIBLE_ACTIONS, INFO_ANCHOR, INFO_TASK, INFO_WON
+from gigpo_trl.envs import INFO_ADMISSIBLE_ACTIONS, INFO_ANCHOR, INFO_TASK, INFO_WON, check_step_call
 from gigpo_trl.paths import cache_root
 
 DEFAULT_CHALLENGE = "treasure_hunter"
@@ -242,12 +242,7 @@ class TextWorldEnv:
 
     def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
         """Send one command (sanitized first); returns `(observation, reward, terminated, truncated, info)`."""
-        if self._state is None:
-            raise RuntimeError("call reset() before step()")
-        if self._episode_over:
-            raise RuntimeError("the episode has ended (terminated or truncated); call reset() before step()")
-        if not isinstance(action, str):
-            raise TypeError(f"action must be a str, got {type(action).__name__}")
+        check_step_call(reset_done=self._state is not None, episode_over=self._episode_over, action=action)
         command = sanitize_command(action)
         if command:
             score_before = self._state["score"]

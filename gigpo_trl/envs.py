@@ -50,6 +50,17 @@ def anchor_of(observation: str, info: Mapping[str, Any]) -> Hashable:
     return info.get(INFO_ANCHOR, observation)
 
 
+def check_step_call(reset_done: bool, episode_over: bool, action: object) -> None:
+    """The order the contract requires of callers, as gymnasium's OrderEnforcing: `step` comes after
+    `reset`, not after the episode ended, and takes a str. Raises RuntimeError / TypeError otherwise."""
+    if not reset_done:
+        raise RuntimeError("call reset() before step()")
+    if episode_over:
+        raise RuntimeError("the episode has ended (terminated or truncated); call reset() before step()")
+    if not isinstance(action, str):
+        raise TypeError(f"action must be a str, got {type(action).__name__}")
+
+
 # Name -> factory, or "module:attribute" of a factory imported on first use (keeps heavy
 # dependencies such as TextWorld out of `import gigpo_trl`).
 _REGISTRY: dict[str, EnvFactory | str] = {

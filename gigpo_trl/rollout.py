@@ -48,6 +48,7 @@ class StepSample:
     step: int  # t, 0-based
     anchor: Hashable  # state the action was taken in
     observation: str
+    prompt: Messages  # the chat messages the answer was generated from
     completion: Completion
     action: str  # what the environment received
     valid: bool  # the answer followed the <action> format
@@ -151,13 +152,13 @@ def collect_rollout(
         results = pool.step({i: p.action for i, p in parsed.items()}) if live else {}
         rollout.env_seconds += time.perf_counter() - started
 
-        for i, completion in zip(live, completions):
+        for i, prompt, completion in zip(live, prompts, completions):
             result, episode = results[i], episodes[i]
             rollout.steps.append(
                 StepSample(
                     group=episode.group, trajectory=i, step=t, anchor=current[i].anchor,
-                    observation=current[i].observation, completion=completion, action=parsed[i].action,
-                    valid=parsed[i].valid, reward=result.reward,
+                    observation=current[i].observation, prompt=prompt, completion=completion,
+                    action=parsed[i].action, valid=parsed[i].valid, reward=result.reward,
                 )
             )
             histories[i].append((current[i].observation, parsed[i].action))

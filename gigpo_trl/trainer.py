@@ -7,6 +7,7 @@ import os
 import random
 import time
 import warnings
+from collections import defaultdict, deque
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -126,6 +127,14 @@ class GiGPOTrainer(GRPOTrainer):
         self._rollouts_recorded = count_rollouts(args.output_dir)
         self.last_rollout: Rollout | None = None  # the latest rollout of this process (trajectories, for reports)
         self.add_callback(ReportCallback())
+        # TRL keeps the completion logs of the latest rollout: one entry per trajectory there, up to
+        # max_env_steps step samples per trajectory here.
+        samples_per_rollout = args.generation_batch_size * args.max_env_steps
+        self._logs = {
+            key: defaultdict(lambda: deque(maxlen=samples_per_rollout)) if key in ("rewards", "extra")
+            else deque(maxlen=samples_per_rollout)
+            for key in self._logs
+        }
 
     # ------------------------------------------------------------------------------------------
     # The one overridden step of GRPOTrainer.
@@ -200,7 +209,8 @@ class GiGPOTrainer(GRPOTrainer):
         for k, ids in enumerate(completion_ids):
             ids, lps = list(ids), (list(logprobs[k]) if logprobs is not None else None)
             if not ids:  # an empty answer still needs a token for the loss (TRL reads ids[-1])
-                ids, lps = [self.eos_token_ids[0]], (lps or []) + [float("nan")] if lps is not None else None
+                ids = [self.eos_token_ids[0]]
+                lps = None if lps is None else [float("nan")]  # NaN: no sampling log-prob, no IS correction
             text = self._tokenizer.decode(ids, skip_special_tokens=True)
             completions.append(Completion(list(prompt_ids[k]), ids, text, lps))
         return completions
@@ -403,7 +413,7 @@ class GiGPOTrainer(GRPOTrainer):
             self._metrics[mode][name].append(value)
         self._metrics[mode]["num_tokens"] = [self.state.num_input_tokens_seen]
 
-        if dropped:
+        if dropped and mode == "train":
             warnings.warn(f"max_step_samples_per_micro_batch: {int(dropped)} step samples were left out of this update "
                           "(drawn uniformly; logged as gigpo/subsampled_rows)", stacklevel=2)
         if num_groups and singleton_share > SINGLETON_WARNING_SHARE and not self._warned_singletons:
@@ -431,10 +441,7 @@ class GiGPOTrainer(GRPOTrainer):
 
     def _log_step_samples(self, rollout: Rollout, advantages: Any) -> None:
         """Feed TRL's completion logs (`log_completions`): one entry per step sample."""
-        from gigpo_trl.prompts import build_messages  # noqa: PLC0415
-
-        prompts = [build_messages(s.observation, step=s.step, template=self.prompt_template) for s in rollout.steps]
-        self._logs["prompt"].extend(gather_object(prompts))
+        self._logs["prompt"].extend(gather_object([s.prompt for s in rollout.steps]))
         self._logs["completion"].extend(gather_object([s.completion.text for s in rollout.steps]))
         self._logs["rewards"]["environment_reward"].extend(gather_object([s.reward for s in rollout.steps]))
         self._logs["advantages"].extend(gather_object([float(a) for a in advantages]))

@@ -223,3 +223,19 @@ def test_tasks_from_rows_detects_split_groups():
     assert [t.seed for t in tasks_from_rows(rows[:2], 2)] == [1]
     with pytest.raises(RuntimeError, match="should be 2 copies of one task"):
         tasks_from_rows(rows, 2)
+
+
+def test_completion_logs_hold_each_step_prompt_answer_reward_and_advantage(tmp_path, tiny_model_path):
+    config = cpu_config(tmp_path, env_name="corridor", per_device_train_batch_size=2, steps_per_generation=1,
+                        gradient_accumulation_steps=1, max_env_steps=6, log_completions=True)
+    trainer = ScriptedTrainer(tiny_model_path, args=config, train_dataset=task_dataset([1]))
+    trainer.model.train()
+
+    batch = trainer._generate_and_score_completions([trainer.train_dataset[0]] * 2)
+
+    assert len(trainer._logs["prompt"]) == len(trainer._logs["completion"]) == 7
+    assert "Reach the last cell." in trainer._logs["prompt"][0][-1]["content"]  # the real prompt, task included
+    assert trainer._logs["completion"][2] == "I go right"
+    assert list(trainer._logs["rewards"]["environment_reward"]) == [0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 1.0]
+    np.testing.assert_allclose(trainer._logs["advantages"], batch["advantages"].numpy(), rtol=1e-6)
+    trainer.close_environments()
