@@ -64,6 +64,7 @@ def check_step_call(reset_done: bool, episode_over: bool, action: object) -> Non
 # Name -> factory, or "module:attribute" of a factory imported on first use (keeps heavy
 # dependencies such as TextWorld out of `import gigpo_trl`).
 _REGISTRY: dict[str, EnvFactory | str] = {
+    "rooms": "gigpo_trl.environments.rooms:RoomsEnv",
     "sokoban": "gigpo_trl.environments.sokoban:SokobanEnv",
     "textworld": "gigpo_trl.environments.textworld_games:TextWorldEnv",
 }

@@ -59,9 +59,13 @@ NUMBERED_ONE_SHOT_TEMPLATE = PromptTemplate(
     ),
 )
 
+# Short prompts for tiny models: no system message, answer with a number.
+NUMBERED_TEMPLATE = PromptTemplate(system="", instruction=_NUMBERED_INSTRUCTION)
+
 # Templates by name, for `GiGPOConfig.prompt_template`.
 TEMPLATES: dict[str, PromptTemplate] = {
     "default": PromptTemplate(),
+    "numbered": NUMBERED_TEMPLATE,
     "sokoban": SOKOBAN_TEMPLATE,
     "numbered_one_shot": NUMBERED_ONE_SHOT_TEMPLATE,
 }

@@ -143,8 +143,8 @@ class GiGPOTrainer(GRPOTrainer):
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, torch.Tensor | Any]:
         mode = "train" if self.model.training else "eval"
         started = time.perf_counter()
-        if mode == "train" and self._last_rollout_end is not None:
-            self._metrics[mode]["timing/update_s"].append(started - self._last_rollout_end)
+        # The time since the previous rollout ended: the update (all micro-batches and the optimizer step).
+        update_seconds = started - self._last_rollout_end if mode == "train" and self._last_rollout_end else None
 
         # 1. Rollout: N copies of each task, one batched generation per turn.
         group_size = self.num_generations if mode == "train" else self.num_generations_eval
@@ -190,7 +190,8 @@ class GiGPOTrainer(GRPOTrainer):
         advantages = [float(gigpo.advantages[r]) * w for r, w in zip(rows, weights)] if steps else [0.0] * len(rows)
         batch = self._tensorize(completions, weights, advantages, mode)
 
-        metrics = self._log_rollout_metrics(mode, rollout, gigpo, num_dropped, rollout_seconds, advantage_seconds)
+        metrics = self._log_rollout_metrics(mode, rollout, gigpo, num_dropped, rollout_seconds, advantage_seconds,
+                                            update_seconds)
         self._write_records(mode, metrics, rollout, gigpo)
         if self.log_completions:
             self._log_step_samples(rollout, gigpo.advantages)
@@ -354,8 +355,8 @@ class GiGPOTrainer(GRPOTrainer):
     # Metrics.
     # ------------------------------------------------------------------------------------------
 
-    def _log_rollout_metrics(self, mode: str, rollout: Rollout, gigpo: Any, num_dropped: int,
-                             rollout_seconds: float, advantage_seconds: float) -> dict[str, float]:
+    def _log_rollout_metrics(self, mode: str, rollout: Rollout, gigpo: Any, num_dropped: int, rollout_seconds: float,
+                             advantage_seconds: float, update_seconds: float | None) -> dict[str, float]:
         """Global (all-process) environment, GiGPO and timing metrics into TRL's `_metrics`; returns them."""
         device = self.accelerator.device
         episodes, steps = rollout.episodes, rollout.steps
@@ -402,6 +403,8 @@ class GiGPOTrainer(GRPOTrainer):
         metrics["timing/generation_s"] = generation_s
         metrics["timing/env_s"] = env_s
         metrics["timing/advantages_s"] = advantage_s
+        if update_seconds is not None:
+            metrics["timing/update_s"] = update_seconds
         metrics["generation/tokens_per_s"] = tokens / max(generation_s, 1e-9)
         metrics["completions/mean_length"] = tokens / max(num_steps, 1)
         if mode == "train":

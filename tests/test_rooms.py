@@ -1,0 +1,48 @@
+"""The rooms environment of the learning comparison."""
+
+from __future__ import annotations
+
+import pytest
+
+from gigpo_trl.env_checker import check_env
+from gigpo_trl.envs import make_env
+
+
+def play(env, actions):
+    return [env.step(action) for action in actions]
+
+
+@pytest.mark.parametrize(("seed", "direction", "way"), [(0, "west", "go west"), (1, "east", "go east")])
+def test_following_the_draught_wins_in_half_the_corridor(seed, direction, way):
+    env = make_env("rooms", num_rooms=9)
+    observation, info = env.reset(seed=seed)
+
+    assert observation == f"Room 4. The draught blows {direction}."
+    steps = play(env, [way] * 4)
+    assert [reward for _, reward, _, _, _ in steps] == [0.0, 0.0, 0.0, 1.0]
+    assert steps[-1][2] and steps[-1][4]["won"] and "found the treasure" in steps[-1][0]
+
+
+def test_the_far_wall_stops_the_agent_and_states_repeat():
+    env = make_env("rooms", num_rooms=3)
+    _, start = env.reset(seed=0)  # treasure in room 0
+    steps = play(env, ["go east", "go east", "go west"])
+
+    assert [info["anchor"] for *_, info in steps] == [(0, 2), (0, 2), (0, 1)]
+    assert steps[-1][4]["anchor"] == start["anchor"]
+    assert not any(terminated for _, _, terminated, _, _ in steps)
+
+
+def test_unknown_text_does_not_move():
+    env = make_env("rooms")
+    env.reset(seed=1)
+    observation, reward, terminated, _, info = env.step("dance")
+    assert (info["anchor"], reward, terminated) == ((8, 4), 0.0, False)
+
+
+def test_rooms_follows_the_contract_and_rejects_bad_arguments():
+    check_env(make_env("rooms"))
+    with pytest.raises(ValueError, match="num_rooms must be an odd int >= 3"):
+        make_env("rooms", num_rooms=4)
+    with pytest.raises(ValueError, match="takes no options"):
+        make_env("rooms").reset(seed=0, options={"num_rooms": 5})
