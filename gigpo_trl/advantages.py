@@ -271,8 +271,8 @@ def compute_gigpo_advantages(
 
     # Section 2: returns, episode scores s_t and step values v_t.
     returns_to_go = discounted_returns(reward, steps_to_go, gamma)  # G_t
-    first_row = np.arange(n) - step  # row of step 0 of the row's trajectory
-    episode_return = discounted_returns(reward, steps_to_go, 1.0)[first_row]  # R = G_0 with gamma = 1
+    # R = sum_t r_t, summed in step order over each trajectory's contiguous rows (codes are 0, 1, ... in layout order).
+    episode_return = np.add.reduceat(reward, np.flatnonzero(step == 0))[trajectory]
     episode_scores = episode_return - penalty  # s_t = R - p * invalid_t
     step_values = returns_to_go - penalty  # v_t = G_t - p * invalid_t
 
