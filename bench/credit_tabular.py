@@ -1,0 +1,199 @@
+"""Step credit without the representation problem: GiGPO against step-wise GRPO with a tabular policy.
+
+    python bench/credit_tabular.py                 # all variants, the settings of recipes/configs/learning_rooms_cpu.yaml
+    python bench/credit_tabular.py --variants adam --seeds 50
+
+The language-model comparison (bench/learning.py) mixes two questions: does GiGPO's advantage give a better
+learning signal, and can the policy represent "act on what the observation says"? This diagnostic removes the
+second. The policy is a softmax table with one row of logits per observation text, so it can follow any
+observation from the first update. Everything else is the project's: the environment and its settings come from the
+recipe config (env, tasks per rollout, copies, max steps, gamma, norm, episode statistics), and the advantages are
+`compute_gigpo_advantages` with omega = 1 (GiGPO) or 0 (step-wise GRPO). The update follows the policy gradient of
+the mean over step rows of A * log pi(a | observation), one step per rollout, the same for both methods.
+
+GiGPO's advantage A_E + A_S has a larger scale than A_E alone (about 1.75x the standard deviation here), so at one
+learning rate plain gradient steps are also larger for GiGPO. The variants separate that from the direction of the
+credit: "sgd" (raw advantages), "sgd-unit-std" (advantages divided by their standard deviation over the rollout:
+equal step sizes, only the direction differs) and "adam" (per-parameter normalized steps, as the trainer's AdamW).
+
+Reported per variant, learning rate and method, over seeds: the training (sampled) success rate of the last 5 iterations, and
+the first iteration at which the seed-mean training success (trailing mean of 5) reaches the baseline's final value.
+Greedy success is not reported: a table solves both task kinds greedily as soon as every row tilts the right way,
+after a handful of updates with either method. Runs in seconds on one core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+
+from gigpo_trl.advantages import compute_gigpo_advantages
+from gigpo_trl.envs import INFO_ADMISSIBLE_ACTIONS, INFO_ANCHOR, INFO_WON, make_env
+
+ROOT = Path(__file__).resolve().parent.parent
+METHODS = {"GiGPO": 1.0, "GRPO (omega=0)": 0.0}
+
+
+VARIANTS = {  # name: (optimizer, divide the advantages by their std, learning rates)
+    "sgd": ("sgd", False, (0.3, 1.0, 3.0)),
+    "sgd-unit-std": ("sgd", True, (0.3, 1.0, 3.0)),
+    "adam": ("adam", False, (0.01, 0.03, 0.1)),
+}
+ADAM_BETAS, ADAM_EPSILON = (0.9, 0.999), 1e-8  # torch.optim.AdamW's defaults (TRL trains without weight decay)
+
+
+class TabularPolicy:
+    """pi(a | observation) = softmax(logits[observation]); unseen observations start uniform (logits 0).
+
+    `optimizer` is "sgd" (logits += lr * gradient) or "adam" (Adam with bias correction; like torch, every row of
+    the table takes a step each update, a zero gradient for rows absent from the batch).
+    """
+
+    def __init__(self, num_actions: int, optimizer: str = "sgd", learning_rate: float = 1.0):
+        if optimizer not in ("sgd", "adam"):
+            raise ValueError(f"optimizer must be 'sgd' or 'adam', got {optimizer!r}")
+        self.num_actions, self.optimizer, self.learning_rate = num_actions, optimizer, learning_rate
+        self.logits: dict[str, np.ndarray] = {}
+        self._moments: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        self._updates = 0
+
+    def probabilities(self, observation: str) -> np.ndarray:
+        logits = self.logits.setdefault(observation, np.zeros(self.num_actions))
+        exp = np.exp(logits - logits.max())
+        return exp / exp.sum()
+
+    def gradient(self, observations: list[str], actions: list[int], advantages: np.ndarray) -> dict[str, np.ndarray]:
+        """d/dlogits of mean_t A_t * log pi(a_t | o_t), with d log pi(a | o) / dlogits[o] = onehot(a) - pi(. | o)."""
+        gradients = {observation: np.zeros(self.num_actions) for observation in observations}
+        for observation, action, advantage in zip(observations, actions, advantages):
+            gradients[observation] -= advantage * self.probabilities(observation) / len(actions)
+            gradients[observation][action] += advantage / len(actions)
+        return gradients
+
+    def update(self, observations: list[str], actions: list[int], advantages: np.ndarray) -> None:
+        """One ascent step on mean_t A_t * log pi(a_t | o_t)."""
+        gradients = self.gradient(observations, actions, advantages)
+        if self.optimizer == "sgd":
+            for observation, gradient in gradients.items():
+                self.logits[observation] += self.learning_rate * gradient
+            return
+        self._updates += 1
+        (beta1, beta2), t = ADAM_BETAS, self._updates
+        for observation in self.logits:
+            gradient = gradients.get(observation, np.zeros(self.num_actions))
+            first, second = self._moments.get(observation, (np.zeros(self.num_actions), np.zeros(self.num_actions)))
+            first, second = beta1 * first + (1 - beta1) * gradient, beta2 * second + (1 - beta2) * gradient**2
+            self._moments[observation] = (first, second)
+            step = (first / (1 - beta1**t)) / (np.sqrt(second / (1 - beta2**t)) + ADAM_EPSILON)
+            self.logits[observation] += self.learning_rate * step
+
+
+def play(env, policy: TabularPolicy, seed: int, max_steps: int, draw: random.Random) -> list[dict]:
+    """One episode of sampled actions; returns its step rows."""
+    observation, info = env.reset(seed=seed)
+    rows = []
+    for step in range(max_steps):
+        actions = info[INFO_ADMISSIBLE_ACTIONS]
+        probabilities = policy.probabilities(observation)
+        action = draw.choices(range(len(actions)), weights=probabilities)[0]
+        anchor = info[INFO_ANCHOR]
+        next_observation, reward, terminated, truncated, info = env.step(actions[action])
+        rows.append({"observation": observation, "action": action, "anchor": anchor, "reward": reward, "step": step,
+                     "won": bool(info[INFO_WON])})
+        observation = next_observation
+        if terminated or truncated:
+            break
+    return rows
+
+
+def train(settings: dict, omega: float, variant: str, learning_rate: float, seed: int,
+          iterations: int) -> tuple[list[float], float]:
+    """One run: the training success rate of every iteration, and the mean over iterations of the advantages' std."""
+    optimizer, unit_std, _ = VARIANTS[variant]
+    env = make_env(settings["env_name"], **(settings.get("env_kwargs") or {}))
+    _, info = env.reset(seed=0)
+    policy = TabularPolicy(len(info[INFO_ADMISSIBLE_ACTIONS]), optimizer, learning_rate)
+    copies = settings["num_generations"]
+    tasks_per_rollout = settings["per_device_train_batch_size"] // copies
+    draw = random.Random(seed)
+    success, advantage_std = [], []
+    for _ in range(iterations):
+        rows, won = [], []
+        for group in range(tasks_per_rollout):
+            task_seed = draw.randrange(10**6)
+            for copy in range(copies):
+                episode = play(env, policy, task_seed, settings["max_env_steps"], draw)
+                won.append(episode[-1]["won"])
+                rows += [row | {"group": group, "trajectory": (group, copy)} for row in episode]
+        result = compute_gigpo_advantages(
+            rewards=[r["reward"] for r in rows], group_ids=[r["group"] for r in rows],
+            trajectory_ids=[r["trajectory"] for r in rows], step_indices=[r["step"] for r in rows],
+            anchor_keys=[r["anchor"] for r in rows], gamma=settings["gamma"], step_weight=omega,
+            norm=settings["advantage_norm"], episode_stats=settings["episode_stats"],
+        )
+        advantages = result.advantages / (result.advantages.std() + 1e-6) if unit_std else result.advantages
+        policy.update([r["observation"] for r in rows], [r["action"] for r in rows], advantages)
+        success.append(float(np.mean(won)))
+        advantage_std.append(float(result.advantages.std()))
+    return success, float(np.mean(advantage_std))
+
+
+def trailing_mean(values: np.ndarray, window: int = 5) -> np.ndarray:
+    return np.array([values[max(0, k - window + 1) : k + 1].mean() for k in range(len(values))])
+
+
+def compare(settings: dict, variant: str, learning_rate: float, seeds: int, iterations: int) -> dict:
+    """Both methods over the same seeds (the same task draws at iteration 0); summary over seeds."""
+    results = {method: [train(settings, omega, variant, learning_rate, seed, iterations) for seed in range(seeds)]
+               for method, omega in METHODS.items()}
+    curves = {method: [success for success, _ in runs] for method, runs in results.items()}
+    gigpo, baseline = list(METHODS)
+    mean = {method: trailing_mean(np.mean(runs, axis=0)) for method, runs in curves.items()}
+    reached = np.flatnonzero(mean[gigpo] >= mean[baseline][-1])
+    summary = {"env_kwargs": settings.get("env_kwargs"), "max_env_steps": settings["max_env_steps"], "variant": variant, "learning_rate": learning_rate, "seeds": seeds, "iterations": iterations}
+    for method, runs in curves.items():
+        final = np.array([np.mean(run[-5:]) for run in runs])
+        summary[method] = {
+            "train_success_last5_mean": float(final.mean()),
+            "train_success_last5_min_max": [float(final.min()), float(final.max())],
+            "train_success_at_iterations_10_25_50": [float(mean[method][k]) for k in (9, 24, 49) if k < iterations],
+            "advantage_std_mean": float(np.mean([std for _, std in results[method]])),
+        }
+    summary["gigpo_reaches_baseline_final_at_iteration"] = int(reached[0]) if reached.size else None
+    summary["baseline_last_iteration"] = iterations - 1
+    return summary
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", type=Path, default=ROOT / "recipes" / "configs" / "learning_rooms_cpu.yaml")
+    parser.add_argument("--seeds", type=int, default=20)
+    parser.add_argument("--iterations", type=int, default=100)
+    parser.add_argument("--env-kwargs", type=json.loads, default=None, help='JSON, replaces the config\'s env_kwargs, '
+                        'e.g. \'{"num_rooms": 21}\'')
+    parser.add_argument("--max-env-steps", type=int, default=None, help="replaces the config's max_env_steps")
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    parser.add_argument("--output", type=Path, default=None, help="also write the summaries to this JSON file")
+    args = parser.parse_args()
+    import yaml
+
+    settings = yaml.safe_load(args.config.read_text())
+    if args.env_kwargs is not None:
+        settings["env_kwargs"] = args.env_kwargs
+    if args.max_env_steps is not None:
+        settings["max_env_steps"] = args.max_env_steps
+    summaries = []
+    for variant in args.variants:
+        for learning_rate in VARIANTS[variant][2]:
+            summaries.append(compare(settings, variant, learning_rate, args.seeds, args.iterations))
+            print(json.dumps(summaries[-1]), flush=True)
+    if args.output:
+        args.output.write_text(json.dumps(summaries, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""The learning diagnostics of bench/: the tabular policy gradient and the rooms labels they rely on."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from bench.credit_tabular import TabularPolicy
+from bench.learning import draught_action, draught_move
+from gigpo_trl.envs import make_env
+
+
+def mean_weighted_log_probability(policy: TabularPolicy, observations, actions, advantages) -> float:
+    return float(np.mean([a * np.log(policy.probabilities(o)[k]) for o, k, a in zip(observations, actions, advantages)]))
+
+
+OBSERVATIONS, ACTIONS, ADVANTAGES = ["a", "b", "a", "a"], [0, 2, 1, 0], np.array([0.7, -1.2, 0.3, -0.4])
+
+
+def random_policy(optimizer: str, learning_rate: float) -> TabularPolicy:
+    policy = TabularPolicy(3, optimizer, learning_rate)
+    rng = np.random.default_rng(0)
+    policy.logits = {"a": rng.normal(size=3), "b": rng.normal(size=3), "unseen in the batch": rng.normal(size=3)}
+    return policy
+
+
+def test_tabular_sgd_update_is_a_gradient_step_on_the_policy_gradient_objective():
+    policy = random_policy("sgd", learning_rate=0.5)
+    observations, actions, advantages = OBSERVATIONS, ACTIONS, ADVANTAGES
+
+    numeric = {}
+    for observation in policy.logits:
+        numeric[observation] = np.zeros(3)
+        for k in range(3):
+            for sign in (1, -1):
+                policy.logits[observation][k] += sign * 1e-6
+                numeric[observation][k] += sign * mean_weighted_log_probability(policy, observations, actions, advantages) / 2e-6
+                policy.logits[observation][k] -= sign * 1e-6
+    before = {o: logits.copy() for o, logits in policy.logits.items()}
+    policy.update(observations, actions, advantages)
+
+    for observation in before:
+        np.testing.assert_allclose(policy.logits[observation] - before[observation], 0.5 * numeric[observation], atol=1e-7)
+
+
+def test_tabular_adam_first_step_moves_every_gradient_entry_by_the_learning_rate():
+    policy = random_policy("adam", learning_rate=0.01)
+    gradient = policy.gradient(OBSERVATIONS, ACTIONS, ADVANTAGES)
+    before = {o: logits.copy() for o, logits in policy.logits.items()}
+    policy.update(OBSERVATIONS, ACTIONS, ADVANTAGES)
+
+    for observation in ("a", "b"):  # bias-corrected Adam's first step is lr * g / |g|
+        np.testing.assert_allclose(policy.logits[observation] - before[observation], 0.01 * np.sign(gradient[observation]), rtol=1e-6)
+    np.testing.assert_array_equal(policy.logits["unseen in the batch"], before["unseen in the batch"])
+
+
+def test_tabular_policy_rejects_an_unknown_optimizer():
+    with pytest.raises(ValueError, match="optimizer must be 'sgd' or 'adam', got 'rmsprop'"):
+        TabularPolicy(2, "rmsprop")
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_following_the_draught_label_reaches_the_treasure_by_the_shortest_path(seed):
+    env = make_env("rooms", num_rooms=9)
+    observation, info = env.reset(seed=seed)
+    # Start anywhere: walk a few steps the wrong way first, then follow the label.
+    for _ in range(2):
+        wrong = [a for a in info["admissible_actions"] if a != draught_move(observation)][0]
+        observation, _, _, _, info = env.step(wrong)
+    for steps in range(1, 9):
+        number = draught_action(observation, info["admissible_actions"])
+        observation, reward, terminated, _, info = env.step(info["admissible_actions"][number - 1])
+        if terminated:
+            break
+    assert reward == 1.0 and info["won"]
+    assert steps == 6  # 4 rooms from the middle to the end, plus the 2 wrong steps to undo
