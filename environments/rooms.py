@@ -2,11 +2,14 @@
 
 A line of `num_rooms` rooms; the agent starts in the middle one. The seed hides the treasure at the
 west or the east end, and every observation says which way the draught blows (towards the treasure).
-Actions: "go west", "go east". The only reward is 1 on reaching the treasure (the episode then
-terminates); walking into the far wall does nothing. So the reward is sparse and delayed (at least
-`num_rooms // 2` steps away), and copies of a task revisit the same rooms, whose anchors repeat
-across trajectories: exactly where GiGPO's step groups can tell a good step from a bad one that
-happened in a winning episode.
+Actions: "go west", "go east", and optionally `idle_actions` actions that waste a step without
+moving ("wait", "look around", ...), like the many harmless but useless commands of a text game. The
+only reward is 1 on reaching the treasure (the episode then terminates); walking into the far wall does
+nothing. So the reward is sparse and delayed (at least `num_rooms // 2` steps away), and copies of a
+task revisit the same rooms, whose anchors repeat across trajectories: exactly where GiGPO's step
+groups can tell a good step from a bad one that happened in a winning episode. An idle step in a
+winning episode is such a bad step: the episode's credit rewards it, its step group (the same room,
+where moving on reaches the treasure one discount factor sooner) does not.
 """
 
 from __future__ import annotations
@@ -15,17 +18,22 @@ from typing import Any
 
 from gigpo_trl.envs import INFO_ADMISSIBLE_ACTIONS, INFO_ANCHOR, INFO_TASK, INFO_WON, check_step_call
 
-ACTIONS = ("go west", "go east")
+MOVES = ("go west", "go east")
+IDLE_ACTIONS = ("wait", "look around", "listen", "rest")
 TASK = "Find the treasure at one end of the corridor of rooms. The draught blows towards it."
 
 
 class RoomsEnv:
-    """See the module docstring. `num_rooms` must be odd and at least 3 (the start is the middle room)."""
+    """See the module docstring. `num_rooms` must be odd and at least 3 (the start is the middle room);
+    `idle_actions` is how many of IDLE_ACTIONS are admissible besides the two moves (0 to 4)."""
 
-    def __init__(self, num_rooms: int = 9):
+    def __init__(self, num_rooms: int = 9, idle_actions: int = 0):
         if not isinstance(num_rooms, int) or num_rooms < 3 or num_rooms % 2 == 0:
             raise ValueError(f"num_rooms must be an odd int >= 3, got {num_rooms!r}")
+        if not isinstance(idle_actions, int) or not 0 <= idle_actions <= len(IDLE_ACTIONS):
+            raise ValueError(f"idle_actions must be an int from 0 to {len(IDLE_ACTIONS)}, got {idle_actions!r}")
         self.num_rooms = num_rooms
+        self.actions = MOVES + IDLE_ACTIONS[:idle_actions]
         self._room: int | None = None
         self._episode_over = False
 
@@ -57,7 +65,7 @@ class RoomsEnv:
     def _info(self) -> dict[str, Any]:
         return {
             INFO_ANCHOR: (self._treasure, self._room),
-            INFO_ADMISSIBLE_ACTIONS: list(ACTIONS),
+            INFO_ADMISSIBLE_ACTIONS: list(self.actions),
             INFO_WON: self._room == self._treasure,
             INFO_TASK: TASK,
         }

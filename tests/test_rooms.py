@@ -46,3 +46,21 @@ def test_rooms_follows_the_contract_and_rejects_bad_arguments():
         make_env("rooms", num_rooms=4)
     with pytest.raises(ValueError, match="takes no options"):
         make_env("rooms").reset(seed=0, options={"num_rooms": 5})
+
+
+def test_idle_actions_are_admissible_and_waste_a_step_without_moving():
+    env = make_env("rooms", num_rooms=5, idle_actions=2)
+    observation, info = env.reset(seed=0)
+    assert info["admissible_actions"] == ["go west", "go east", "wait", "look around"]
+
+    steps = play(env, ["wait", "look around", "go west", "wait", "go west"])
+    assert [info["anchor"] for *_, info in steps] == [(0, 2), (0, 2), (0, 1), (0, 1), (0, 0)]
+    assert steps[0][0] == observation
+    assert [reward for _, reward, _, _, _ in steps] == [0.0, 0.0, 0.0, 0.0, 1.0]
+    check_env(env)
+
+
+@pytest.mark.parametrize("idle_actions", [-1, 5, 1.0])
+def test_idle_actions_out_of_range_are_rejected(idle_actions):
+    with pytest.raises(ValueError, match="idle_actions must be an int from 0 to 4"):
+        make_env("rooms", idle_actions=idle_actions)
