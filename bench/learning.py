@@ -17,9 +17,12 @@ policy that answers well-formed, with no knowledge of the task.
 from __future__ import annotations
 
 import argparse
+import ast
 import csv
+import itertools
 import json
 import random
+import re
 import subprocess
 import sys
 import time
@@ -33,57 +36,121 @@ ROOT = Path(__file__).resolve().parent.parent
 METHODS = {"GiGPO": 1.0, "GRPO (omega=0)": 0.0}
 
 
-def warm_up_format(output_dir: Path, env_name: str, env_kwargs: dict, template_name: str, seed: int = 0,
-                   steps: int = 300, batch_size: int = 16) -> Path:
-    """Build the tiny model and teach it the answer format only (uniformly random well-formed answers)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+def state_prompts(env_name: str, env_kwargs: dict, template_name: str, tokenizer, draw: random.Random):
+    """Endless (prompt token ids, observation, admissible actions) of random states: a reset and 0-5 random moves."""
     from gigpo_trl.envs import make_env
-    from gigpo_trl.models import build_tiny_model
     from gigpo_trl.prompts import build_messages, load_template
 
-    if (output_dir / "config.json").is_file():
-        return output_dir
-    build_tiny_model(output_dir, seed=seed)
-    tokenizer = AutoTokenizer.from_pretrained(output_dir)
-    model = AutoModelForCausalLM.from_pretrained(output_dir)
-    template, env, draw = load_template(template_name), make_env(env_name, **env_kwargs), random.Random(seed)
-    torch.manual_seed(seed)
-
-    def example() -> tuple[list[int], list[int]]:
+    template, env = load_template(template_name), make_env(env_name, **env_kwargs)
+    while True:
         observation, info = env.reset(seed=draw.randrange(10**6))
-        for _ in range(draw.randrange(6)):  # a few random moves: prompts of various states
+        for _ in range(draw.randrange(6)):
             observation, _, done, _, info = env.step(draw.choice(info["admissible_actions"]))
             if done:
                 break
         messages = build_messages(observation, task=info.get("task"), admissible_actions=info["admissible_actions"],
                                   template=template)
         prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
-        answer = tokenizer(f"<action>{draw.randint(1, len(info['admissible_actions']))}</action>",
-                           add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        return list(prompt), answer
+        yield list(prompt), observation, info["admissible_actions"]
 
+
+def supervised_step(model, tokenizer, pairs: list[tuple[list[int], int]], optimizer) -> float:
+    """One optimizer step of cross-entropy on the answers `<action>k</action><eos>` after the prompts; returns the loss."""
+    import torch
+
+    answers = [tokenizer(f"<action>{k}</action>", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+               for _, k in pairs]
+    length = max(len(prompt) + len(answer) for (prompt, _), answer in zip(pairs, answers))
+    ids = torch.full((len(pairs), length), tokenizer.pad_token_id)
+    labels = torch.full((len(pairs), length), -100)
+    mask = torch.zeros((len(pairs), length), dtype=torch.long)
+    for row, ((prompt, _), answer) in enumerate(zip(pairs, answers)):
+        sequence = prompt + answer
+        ids[row, : len(sequence)] = torch.tensor(sequence)
+        labels[row, len(prompt) : len(sequence)] = torch.tensor(answer)
+        mask[row, : len(sequence)] = 1
+    loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss.item()
+
+
+def warm_up_format(output_dir: Path, env_name: str, env_kwargs: dict, template_name: str, seed: int = 0,
+                   steps: int = 300, batch_size: int = 16) -> Path:
+    """Build the tiny model and teach it the answer format only (uniformly random well-formed answers)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from gigpo_trl.models import build_tiny_model
+
+    if (output_dir / "config.json").is_file():
+        return output_dir
+    build_tiny_model(output_dir, seed=seed)
+    tokenizer = AutoTokenizer.from_pretrained(output_dir)
+    model = AutoModelForCausalLM.from_pretrained(output_dir)
+    draw = random.Random(seed)
+    prompts = state_prompts(env_name, env_kwargs, template_name, tokenizer, draw)
+    torch.manual_seed(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model.train()
     for _ in range(steps):
-        pairs = [example() for _ in range(batch_size)]
-        length = max(len(p) + len(a) for p, a in pairs)
-        ids = torch.full((batch_size, length), tokenizer.pad_token_id)
-        labels = torch.full((batch_size, length), -100)
-        mask = torch.zeros((batch_size, length), dtype=torch.long)
-        for row, (prompt, answer) in enumerate(pairs):
-            sequence = prompt + answer
-            ids[row, : len(sequence)] = torch.tensor(sequence)
-            labels[row, len(prompt) : len(sequence)] = torch.tensor(answer)
-            mask[row, : len(sequence)] = 1
-        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    print(f"format warm-up: {steps} steps, final loss {loss.item():.3f}")
+        pairs = []
+        for _ in range(batch_size):  # a state, then its label: the draw order of the documented warm-up
+            prompt, _, actions = next(prompts)
+            pairs.append((prompt, draw.randint(1, len(actions))))
+        loss = supervised_step(model, tokenizer, pairs, optimizer)
+    print(f"format warm-up: {steps} steps, final loss {loss:.3f}")
     model.save_pretrained(output_dir)
     return output_dir
+
+
+def draught_move(observation: str) -> str:
+    """Rooms: the action that follows the draught of "Room k. The draught blows west." ("go west")."""
+    return "go " + observation.rsplit(" ", 1)[-1].rstrip(".")
+
+
+def draught_action(observation: str, actions: list[str]) -> int:
+    """Rooms: the number of the admissible action that follows the draught."""
+    return actions.index(draught_move(observation)) + 1
+
+
+def reading_probe(model_dir: str, settings: dict, learning_rate: float, steps: int, batch_size: int = 64,
+                  every: int = 25) -> list[dict]:
+    """Can the policy model learn to act on the observation at all, and after how many updates? Supervised
+    learning from the format-warmed model with PERFECT labels (rooms: follow the draught), same optimizer family
+    and learning rate as the RL runs. Greedy accuracy of the action number on 64 fixed held-out states every
+    `every` steps. A method-neutral ceiling: RL from the same start gets a noisier signal than these labels."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    env_args = (settings["env_name"], settings.get("env_kwargs") or {}, settings["prompt_template"], tokenizer)
+    held_out = list(itertools.islice(state_prompts(*env_args, random.Random(10**6)), 64))
+    states = state_prompts(*env_args, random.Random(1))
+    digits = [tokenizer(str(k), add_special_tokens=False)["input_ids"][-1] for k in (1, 2)]
+
+    def accuracy() -> float:
+        correct = 0
+        with torch.no_grad():
+            for prompt, observation, actions in held_out:
+                ids = torch.tensor([prompt + tokenizer("<action>", add_special_tokens=False)["input_ids"]])
+                logits = model(input_ids=ids).logits[0, -1, digits]
+                correct += int(logits.argmax()) + 1 == draught_action(observation, actions)
+        return correct / len(held_out)
+
+    torch.manual_seed(0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate)
+    curve, loss = [{"step": 0, "accuracy": accuracy()}], float("nan")
+    for step in range(1, steps + 1):
+        batch = [next(states) for _ in range(batch_size)]
+        loss = supervised_step(model, tokenizer, [(prompt, draught_action(obs, actions)) for prompt, obs, actions in batch],
+                                optimizer)
+        if step % every == 0:
+            curve.append({"step": step, "loss": loss, "accuracy": accuracy()})
+            print(f"reading probe: step {step}, loss {loss:.3f}, held-out accuracy {curve[-1]['accuracy']:.2f}", flush=True)
+    return curve
 
 
 def run(config: Path, model: str, omega: float, seed: int, output_dir: Path, overrides: list[str]) -> float:
@@ -105,9 +172,38 @@ def draught_following(output_dir: Path) -> dict[int, float]:
         mode, rollout = name.split("-")
         steps = [step for episode in episodes for step in episode["steps"] if "draught blows" in step["observation"]]
         if mode == "train" and steps:
-            follows = [step["action"] == "go " + step["observation"].rsplit(" ", 1)[-1].rstrip(".") for step in steps]
+            follows = [step["action"] == draught_move(step["observation"]) for step in steps]
             shares[int(rollout)] = sum(follows) / len(follows)
     return shares
+
+
+def draught_advantages(output_dir: Path) -> dict[str, float] | None:
+    """Rooms diagnostic: the mean advantage (the one the loss used) of recorded training steps that follow the
+    draught and of those that go against it. A credit signal that points the right way gives the first the higher
+    value; the gap, in units of the advantages' standard deviation (GiGPO's sum of two normalized terms has the larger
+    scale), says how sharply it separates them. None outside rooms."""
+    by_kind: dict[str, list[float]] = {"follows": [], "against": []}
+    for name, episodes in read_trajectories(output_dir).items():
+        if name.startswith("train-"):
+            for step in (step for episode in episodes for step in episode["steps"]):
+                if "draught blows" in step["observation"] and step["valid"]:
+                    kind = "follows" if step["action"] == draught_move(step["observation"]) else "against"
+                    by_kind[kind].append(step["advantage"])
+    if not by_kind["follows"] or not by_kind["against"]:
+        return None
+    means = {kind: float(np.mean(values)) for kind, values in by_kind.items()}
+    spread = float(np.std(by_kind["follows"] + by_kind["against"]))
+    return means | {"gap_in_std": (means["follows"] - means["against"]) / spread, "steps": sum(map(len, by_kind.values()))}
+
+
+def logged_entropy(log_path: Path) -> list[float]:
+    """The policy's mean token entropy of every training update, in order, from TRL's log lines in a run's log
+    (`{'loss': ..., 'entropy': ...}`, one per update with logging_steps 1)."""
+    entropies = []
+    for line in log_path.read_text().splitlines():
+        for match in re.finditer(r"\{'loss': [^}]*\}", line):
+            entropies.append(float(ast.literal_eval(match.group(0))["entropy"]))
+    return entropies
 
 
 def curves(runs: dict[tuple[str, int], Path]) -> list[dict]:
@@ -115,6 +211,7 @@ def curves(runs: dict[tuple[str, int], Path]) -> list[dict]:
     rows = []
     for (method, seed), output_dir in runs.items():
         following = draught_following(output_dir)
+        entropy = iter(logged_entropy(output_dir.with_suffix(".log")))  # the k-th update follows the k-th rollout
         for record in read_iterations(output_dir):
             metrics = record["metrics"]
             rows.append({
@@ -126,6 +223,7 @@ def curves(runs: dict[tuple[str, int], Path]) -> list[dict]:
                 "rollout_s": metrics["timing/rollout_s"], "advantages_s": metrics["timing/advantages_s"],
                 "update_s": metrics.get("timing/update_s", float("nan")),
                 "draught_following": following.get(record["rollout"], float("nan")) if record["mode"] == "train" else float("nan"),
+                "entropy": next(entropy, float("nan")) if record["mode"] == "train" else float("nan"),
             })
     return rows
 
@@ -144,14 +242,15 @@ def plot(rows: list[dict], path: Path) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    figure = Figure(figsize=(13, 4.2), layout="constrained")
+    figure = Figure(figsize=(12, 8), layout="constrained")
     FigureCanvasAgg(figure)
     panels = [("train", "success_rate", "Training rollouts: success rate"),
               ("eval", "success_rate", "Held-out tasks (greedy): success rate"),
-              ("train", "return_mean", "Training rollouts: mean return")]
+              ("train", "return_mean", "Training rollouts: mean return"),
+              ("train", "entropy", "Policy entropy (mean per completion token)")]
     if not all(np.isnan(row["draught_following"]) for row in rows):  # rooms: what the policy learned
         panels[2] = ("train", "draught_following", "Steps that follow the draught (rooms)")
-    for axes, (mode, field, title) in zip(figure.subplots(1, 3), panels):
+    for axes, (mode, field, title) in zip(figure.subplots(2, 2).flat, panels):
         for method in METHODS:
             steps, values = mean_curve(rows, method, mode, field)
             if field == "draught_following":  # 4 sampled episodes per rollout: average 10 rollouts
@@ -187,15 +286,21 @@ def summary(rows: list[dict], seeds: list[int]) -> dict:
     train = [r for r in rows if r["mode"] == "train"]
     for method in METHODS:
         mine = [r for r in train if r["method"] == method]
-        result.setdefault("per_iteration", {})[method] = {
+        # Medians for timings: robust to a few iterations slowed by other work on the machine.
+        result.setdefault("per_iteration_median", {})[method] = {
+            name: float(np.nanmedian([r[name] for r in mine])) for name in ("rollout_s", "update_s", "advantages_s")
+        }
+        result.setdefault("per_iteration_mean", {})[method] = {
             name: float(np.nanmean([r[name] for r in mine]))
             for name in ("rollout_s", "update_s", "advantages_s", "singleton_share", "step_group_size_mean", "episode_length")
         }
-        by_window = [r["draught_following"] for r in sorted(mine, key=lambda r: (r["seed"], r["step"]))]
-        result.setdefault("draught_following_first_last_20", {})[method] = {
-            "first_20_iterations": float(np.nanmean([r["draught_following"] for r in mine if r["step"] < 20])),
-            "last_20_iterations": float(np.nanmean([r["draught_following"] for r in mine if r["step"] >= max(r2["step"] for r2 in mine) - 19])),
-        } if not np.all(np.isnan(by_window)) else None
+        last = max(r["step"] for r in mine)
+        for field in ("draught_following", "entropy"):
+            if not all(np.isnan(r[field]) for r in mine):
+                result.setdefault(f"{field}_first_last_20", {})[method] = {
+                    "first_20_iterations": float(np.nanmean([r[field] for r in mine if r["step"] < 20])),
+                    "last_20_iterations": float(np.nanmean([r[field] for r in mine if r["step"] > last - 20])),
+                }
     return result
 
 
@@ -209,8 +314,12 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="model id or folder (default: the format-warmed tiny model)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--output", type=Path, default=ROOT / "outputs" / "learning")
-    parser.add_argument("--analyze-only", action="store_true", help="skip training: redo the CSV, plot and summary "
-                        "from the runs already in --output")
+    what = parser.add_mutually_exclusive_group()
+    what.add_argument("--analyze-only", action="store_true", help="skip training: redo the CSV, plot and summary "
+                      "from the runs already in --output")
+    what.add_argument("--reading-probe", type=int, metavar="STEPS", default=None,
+                      help="rooms only, no RL: supervised learning with perfect labels from the same start, "
+                      "for STEPS updates at the config's learning rate; writes OUTPUT/reading_probe.json")
     parser.add_argument("overrides", nargs="*", help="extra recipe arguments, e.g. --max_steps 20")
     args = parser.parse_args()
     args.output.mkdir(parents=True, exist_ok=True)
@@ -219,10 +328,18 @@ def main() -> None:
     settings = yaml.safe_load(args.config.read_text())
     runs = {(method, seed): args.output / f"{'gigpo' if omega else 'grpo'}-seed{seed}"
             for seed in args.seeds for method, omega in METHODS.items()}
+    if args.reading_probe is not None and settings["env_name"] != "rooms":
+        parser.error(f"--reading-probe knows the right action of the rooms environment only, not {settings['env_name']!r}")
+    model = args.model
+    if model is None and not args.analyze_only:
+        model = str(warm_up_format(args.output / "warm-tiny-model", settings["env_name"], settings.get("env_kwargs") or {},
+                                   settings["prompt_template"]))
+    if args.reading_probe is not None:
+        curve = reading_probe(model, settings, settings["learning_rate"], args.reading_probe)
+        (args.output / "reading_probe.json").write_text(json.dumps(curve, indent=2))
+        return
     seconds = {}
     if not args.analyze_only:
-        model = args.model or str(warm_up_format(args.output / "warm-tiny-model", settings["env_name"],
-                                                 settings.get("env_kwargs") or {}, settings["prompt_template"]))
         for (method, seed), output_dir in runs.items():
             seconds[f"{method} seed {seed}"] = run(args.config, model, METHODS[method], seed, output_dir, args.overrides)
             print(f"{method:16s} seed {seed}: {seconds[f'{method} seed {seed}']:.0f} s", flush=True)
@@ -233,6 +350,9 @@ def main() -> None:
         writer.writerows(rows)
     plot(rows, args.output / "learning_curves.png")
     result = summary(rows, args.seeds) | {"wall_seconds": seconds}
+    advantages = {f"{method} seed {seed}": draught_advantages(output_dir) for (method, seed), output_dir in runs.items()}
+    if all(advantages.values()):
+        result["advantage_by_draught"] = advantages
     (args.output / "summary.json").write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))
 
