@@ -1,7 +1,9 @@
 """Does it learn? GiGPO against step-wise GRPO (omega = 0), identical settings, budgets and seeds.
 
-    python bench/learning.py                                   # the CPU setting, 3 seeds (about 20 min on 2 cores)
+    python bench/learning.py                                   # the CPU setting, 3 seeds (about 50 min on 2 cores)
     python bench/learning.py --config recipes/configs/X.yaml --model MODEL   # e.g. a GPU setting
+    python bench/learning.py --output outputs/learning_100 --max_steps 100   # unknown arguments go to the recipe
+    python bench/learning.py --reading-probe 250 --output outputs/probe      # can the model read? (no RL)
 
 Each (method, seed) run is `recipes/train_gigpo.py --config CONFIG --step_advantage_weight {1, 0} --seed S`, so
 both methods share every other setting. Per-rollout success rate and return (training rollouts and held-out
@@ -12,6 +14,10 @@ Without --model, the policy is a tiny transformer built locally (gigpo_trl.model
 short supervised warm-up on the answer FORMAT only: for prompts of random states, the target is
 "<action>k</action>" with k drawn uniformly among the admissible actions, so it starts as a uniformly random
 policy that answers well-formed, with no knowledge of the task.
+
+Rooms diagnostics, in the summary and the plot (docs/results.md reads them): the share of steps that follow the
+draught, the mean advantage of steps that follow it and of those that go against it, and the policy entropy
+(from the runs' logs). --reading-probe asks, without RL, whether the model can learn to act on the observation.
 """
 
 from __future__ import annotations
@@ -127,8 +133,11 @@ def reading_probe(model_dir: str, settings: dict, learning_rate: float, steps: i
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     env_args = (settings["env_name"], settings.get("env_kwargs") or {}, settings["prompt_template"], tokenizer)
-    held_out = list(itertools.islice(state_prompts(*env_args, random.Random(10**6)), 64))
-    states = state_prompts(*env_args, random.Random(1))
+
+    def states(draw: random.Random):  # states with a hint to follow (not the treasure room)
+        return (state for state in state_prompts(*env_args, draw) if "draught blows" in state[1])
+
+    held_out, training = list(itertools.islice(states(random.Random(10**6)), 64)), states(random.Random(1))
     digits = [tokenizer(str(k), add_special_tokens=False)["input_ids"][-1] for k in (1, 2)]
 
     def accuracy() -> float:
@@ -144,7 +153,7 @@ def reading_probe(model_dir: str, settings: dict, learning_rate: float, steps: i
     optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate)
     curve, loss = [{"step": 0, "accuracy": accuracy()}], float("nan")
     for step in range(1, steps + 1):
-        batch = [next(states) for _ in range(batch_size)]
+        batch = [next(training) for _ in range(batch_size)]
         loss = supervised_step(model, tokenizer, [(prompt, draught_action(obs, actions)) for prompt, obs, actions in batch],
                                 optimizer)
         if step % every == 0:
@@ -295,7 +304,7 @@ def summary(rows: list[dict], seeds: list[int]) -> dict:
             for name in ("rollout_s", "update_s", "advantages_s", "singleton_share", "step_group_size_mean", "episode_length")
         }
         last = max(r["step"] for r in mine)
-        for field in ("draught_following", "entropy"):
+        for field in ("draught_following", "entropy", "singleton_share", "step_group_size_mean"):
             if not all(np.isnan(r[field]) for r in mine):
                 result.setdefault(f"{field}_first_last_20", {})[method] = {
                     "first_20_iterations": float(np.nanmean([r[field] for r in mine if r["step"] < 20])),
@@ -309,7 +318,8 @@ def _trailing_mean(values: np.ndarray, window: int) -> np.ndarray:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
     parser.add_argument("--config", type=Path, default=ROOT / "recipes" / "configs" / "learning_rooms_cpu.yaml")
     parser.add_argument("--model", default=None, help="model id or folder (default: the format-warmed tiny model)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -320,8 +330,7 @@ def main() -> None:
     what.add_argument("--reading-probe", type=int, metavar="STEPS", default=None,
                       help="rooms only, no RL: supervised learning with perfect labels from the same start, "
                       "for STEPS updates at the config's learning rate; writes OUTPUT/reading_probe.json")
-    parser.add_argument("overrides", nargs="*", help="extra recipe arguments, e.g. --max_steps 20")
-    args = parser.parse_args()
+    args, overrides = parser.parse_known_args()  # the rest goes to the recipe, e.g. --max_steps 100
     args.output.mkdir(parents=True, exist_ok=True)
     import yaml
 
@@ -341,7 +350,7 @@ def main() -> None:
     seconds = {}
     if not args.analyze_only:
         for (method, seed), output_dir in runs.items():
-            seconds[f"{method} seed {seed}"] = run(args.config, model, METHODS[method], seed, output_dir, args.overrides)
+            seconds[f"{method} seed {seed}"] = run(args.config, model, METHODS[method], seed, output_dir, overrides)
             print(f"{method:16s} seed {seed}: {seconds[f'{method} seed {seed}']:.0f} s", flush=True)
     rows = curves(runs)
     with open(args.output / "learning_curves.csv", "w", newline="") as file:
