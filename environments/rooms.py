@@ -25,14 +25,18 @@ TASK = "Find the treasure at one end of the corridor of rooms. The draught blows
 
 class RoomsEnv:
     """See the module docstring. `num_rooms` must be odd and at least 3 (the start is the middle room);
-    `idle_actions` is how many of IDLE_ACTIONS are admissible besides the two moves (0 to 4)."""
+    `idle_actions` is how many of IDLE_ACTIONS are admissible besides the two moves (0 to 4); `treasure` is
+    "seed" (the seed's parity picks the end: even west, odd east) or a fixed "west" or "east" for every task."""
 
-    def __init__(self, num_rooms: int = 9, idle_actions: int = 0):
+    def __init__(self, num_rooms: int = 9, idle_actions: int = 0, treasure: str = "seed"):
         if not isinstance(num_rooms, int) or num_rooms < 3 or num_rooms % 2 == 0:
             raise ValueError(f"num_rooms must be an odd int >= 3, got {num_rooms!r}")
         if not isinstance(idle_actions, int) or not 0 <= idle_actions <= len(IDLE_ACTIONS):
             raise ValueError(f"idle_actions must be an int from 0 to {len(IDLE_ACTIONS)}, got {idle_actions!r}")
+        if treasure not in ("seed", "west", "east"):
+            raise ValueError(f"treasure must be 'seed', 'west' or 'east', got {treasure!r}")
         self.num_rooms = num_rooms
+        self.treasure = treasure
         self.actions = MOVES + IDLE_ACTIONS[:idle_actions]
         self._room: int | None = None
         self._episode_over = False
@@ -40,7 +44,8 @@ class RoomsEnv:
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[str, dict[str, Any]]:
         if options:
             raise ValueError(f"RoomsEnv takes no options, got {sorted(options)}")
-        self._treasure = 0 if (seed or 0) % 2 == 0 else self.num_rooms - 1
+        west = (seed or 0) % 2 == 0 if self.treasure == "seed" else self.treasure == "west"
+        self._treasure = 0 if west else self.num_rooms - 1
         self._room = self.num_rooms // 2
         self._episode_over = False
         return self._observation(), self._info()

@@ -64,3 +64,14 @@ def test_idle_actions_are_admissible_and_waste_a_step_without_moving():
 def test_idle_actions_out_of_range_are_rejected(idle_actions):
     with pytest.raises(ValueError, match="idle_actions must be an int from 0 to 4"):
         make_env("rooms", idle_actions=idle_actions)
+
+
+@pytest.mark.parametrize(("treasure", "expected"), [("west", [0, 0]), ("east", [8, 8]), ("seed", [0, 8])])
+def test_the_treasure_end_can_be_fixed_for_every_task(treasure, expected):
+    env = make_env("rooms", treasure=treasure)
+    assert [env.reset(seed=seed)[1]["anchor"][0] for seed in (0, 1)] == expected
+
+
+def test_an_unknown_treasure_end_is_rejected():
+    with pytest.raises(ValueError, match="treasure must be 'seed', 'west' or 'east', got 'north'"):
+        make_env("rooms", treasure="north")
