@@ -251,15 +251,17 @@ def plot(rows: list[dict], path: Path) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    figure = Figure(figsize=(12, 8), layout="constrained")
+    figure = Figure(figsize=(16, 8), layout="constrained")
     FigureCanvasAgg(figure)
     panels = [("train", "success_rate", "Training rollouts: success rate"),
               ("eval", "success_rate", "Held-out tasks (greedy): success rate"),
               ("train", "return_mean", "Training rollouts: mean return"),
+              ("train", "episode_length", "Training rollouts: mean episode length"),
+              ("eval", "episode_length", "Held-out tasks (greedy): mean episode length"),
               ("train", "entropy", "Policy entropy (mean per completion token)")]
     if not all(np.isnan(row["draught_following"]) for row in rows):  # rooms: what the policy learned
         panels[2] = ("train", "draught_following", "Steps that follow the draught (rooms)")
-    for axes, (mode, field, title) in zip(figure.subplots(2, 2).flat, panels):
+    for axes, (mode, field, title) in zip(figure.subplots(2, 3).flat, panels):
         for method in METHODS:
             steps, values = mean_curve(rows, method, mode, field)
             if field == "draught_following":  # 4 sampled episodes per rollout: average 10 rollouts
@@ -275,23 +277,13 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def summary(rows: list[dict], seeds: list[int]) -> dict:
-    """Final success rates and when GiGPO reaches the baseline's final success (mean over seeds)."""
-    result = {"seeds": seeds}
-    baseline, gigpo = list(METHODS)[1], list(METHODS)[0]
+    """Final success rates and episode lengths, and when GiGPO reaches the baseline's final value (mean over seeds)."""
+    result: dict = {"seeds": seeds}
     for mode in ("train", "eval"):
-        steps, base = mean_curve(rows, baseline, mode, "success_rate")
-        _, ours = mean_curve(rows, gigpo, mode, "success_rate")
         window = 5 if mode == "train" else 1  # training curves are noisy: compare trailing means
-        base_mean, ours_mean = _trailing_mean(base.mean(0), window), _trailing_mean(ours.mean(0), window)
-        target = base_mean[-1]
-        reached = np.flatnonzero(ours_mean >= target)
-        result[mode] = {
-            "final_success": {gigpo: float(ours_mean[-1]), baseline: float(target)},
-            "final_success_per_seed": {gigpo: ours[:, -1].tolist(), baseline: base[:, -1].tolist()},
-            "gigpo_reaches_baseline_final_at_step": int(steps[reached[0]]) if reached.size else None,
-            "baseline_steps": int(steps[-1]),
-            "trailing_window": window,
-        }
+        result[mode] = {"trailing_window": window,
+                        "success_rate": _comparison(rows, mode, "success_rate", window, higher_is_better=True),
+                        "episode_length": _comparison(rows, mode, "episode_length", window, higher_is_better=False)}
     train = [r for r in rows if r["mode"] == "train"]
     for method in METHODS:
         mine = [r for r in train if r["method"] == method]
@@ -311,6 +303,23 @@ def summary(rows: list[dict], seeds: list[int]) -> dict:
                     "last_20_iterations": float(np.nanmean([r[field] for r in mine if r["step"] > last - 20])),
                 }
     return result
+
+
+def _comparison(rows: list[dict], mode: str, field: str, window: int, higher_is_better: bool) -> dict:
+    """Both methods' final value of one curve (trailing mean over seeds) and the first step at which GiGPO's is
+    at least as good as the baseline's final value."""
+    gigpo, baseline = METHODS
+    steps, base = mean_curve(rows, baseline, mode, field)
+    _, ours = mean_curve(rows, gigpo, mode, field)
+    base_mean, ours_mean = _trailing_mean(base.mean(0), window), _trailing_mean(ours.mean(0), window)
+    target = base_mean[-1]
+    reached = np.flatnonzero(ours_mean >= target if higher_is_better else ours_mean <= target)
+    return {
+        "final": {gigpo: float(ours_mean[-1]), baseline: float(target)},
+        "final_per_seed": {gigpo: ours[:, -1].tolist(), baseline: base[:, -1].tolist()},
+        "gigpo_reaches_baseline_final_at_step": int(steps[reached[0]]) if reached.size else None,
+        "baseline_last_step": int(steps[-1]),
+    }
 
 
 def _trailing_mean(values: np.ndarray, window: int) -> np.ndarray:
