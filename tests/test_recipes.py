@@ -13,7 +13,8 @@ import yaml
 from trl import ModelConfig, TrlParser
 
 from gigpo_trl.config import GiGPOConfig
-from gigpo_trl.envs import registered_envs
+from gigpo_trl.env_checker import check_env
+from gigpo_trl.envs import make_env, registered_envs
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 CONFIGS = sorted((RECIPES / "configs").glob("*.yaml"))
@@ -35,6 +36,12 @@ def test_every_config_parses_into_the_script_arguments(config, monkeypatch):
 
     assert training_args.env_name in registered_envs()
     assert training_args.num_generations >= 2 and task_args.num_train_tasks > 0
+
+
+@pytest.mark.parametrize("config", [p for p in CONFIGS if p.stem.startswith("learning_")], ids=lambda p: p.name)
+def test_learning_configs_build_their_environment(config):
+    settings = yaml.safe_load(config.read_text())
+    check_env(make_env(settings["env_name"], **settings["env_kwargs"]))
 
 
 def _post_init_without_device_checks(self):
