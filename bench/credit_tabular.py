@@ -18,7 +18,7 @@ equal step sizes, only the direction differs) and "adam" (per-parameter normaliz
 
 Reported per variant, learning rate and method, over seeds: the training (sampled) success rate of the last 5
 iterations, the first iteration at which the seed-mean training success (trailing mean of 5) reaches 0.5 and 0.9,
-and the first at which GiGPO's reaches the baseline's final value.
+the first at which GiGPO's reaches the baseline's final value, and the mean episode length of the last 5.
 Greedy success is not reported: a table solves both task kinds greedily as soon as every row tilts the right way,
 after a handful of updates with either method. Runs in seconds on one core.
 """
@@ -112,8 +112,9 @@ def play(env, policy: TabularPolicy, seed: int, max_steps: int, draw: random.Ran
 
 
 def train(settings: dict, omega: float, variant: str, learning_rate: float, seed: int,
-          iterations: int) -> tuple[list[float], float]:
-    """One run: the training success rate of every iteration, and the mean over iterations of the advantages' std."""
+          iterations: int) -> tuple[list[float], list[float], float]:
+    """One run: the training success rate and mean episode length of every iteration, and the mean over iterations
+    of the advantages' std."""
     optimizer, unit_std, _ = VARIANTS[variant]
     env = make_env(settings["env_name"], **(settings.get("env_kwargs") or {}))
     _, info = env.reset(seed=0)
@@ -121,7 +122,7 @@ def train(settings: dict, omega: float, variant: str, learning_rate: float, seed
     copies = settings["num_generations"]
     tasks_per_rollout = settings["per_device_train_batch_size"] // copies
     draw = random.Random(seed)
-    success, advantage_std = [], []
+    success, length, advantage_std = [], [], []
     for _ in range(iterations):
         rows, won = [], []
         for group in range(tasks_per_rollout):
@@ -139,8 +140,9 @@ def train(settings: dict, omega: float, variant: str, learning_rate: float, seed
         advantages = result.advantages / (result.advantages.std() + 1e-6) if unit_std else result.advantages
         policy.update([r["observation"] for r in rows], [r["action"] for r in rows], advantages)
         success.append(float(np.mean(won)))
+        length.append(len(rows) / len(won))
         advantage_std.append(float(result.advantages.std()))
-    return success, float(np.mean(advantage_std))
+    return success, length, float(np.mean(advantage_std))
 
 
 def trailing_mean(values: np.ndarray, window: int = 5) -> np.ndarray:
@@ -151,7 +153,7 @@ def compare(settings: dict, variant: str, learning_rate: float, seeds: int, iter
     """Both methods over the same seeds (the same task draws at iteration 0); summary over seeds."""
     results = {method: [train(settings, omega, variant, learning_rate, seed, iterations) for seed in range(seeds)]
                for method, omega in METHODS.items()}
-    curves = {method: [success for success, _ in runs] for method, runs in results.items()}
+    curves = {method: [success for success, _, _ in runs] for method, runs in results.items()}
     gigpo, baseline = list(METHODS)
     mean = {method: trailing_mean(np.mean(runs, axis=0)) for method, runs in curves.items()}
     reached = np.flatnonzero(mean[gigpo] >= mean[baseline][-1])
@@ -162,7 +164,8 @@ def compare(settings: dict, variant: str, learning_rate: float, seeds: int, iter
             "train_success_last5_mean": float(final.mean()),
             "train_success_last5_min_max": [float(final.min()), float(final.max())],
             "train_success_at_iterations_10_25_50": [float(mean[method][k]) for k in (9, 24, 49) if k < iterations],
-            "advantage_std_mean": float(np.mean([std for _, std in results[method]])),
+            "episode_length_last5_mean": float(np.mean([np.mean(length[-5:]) for _, length, _ in results[method]])),
+            "advantage_std_mean": float(np.mean([std for _, _, std in results[method]])),
             # When the baseline saturates early, "reaches the baseline's final value" says little: also compare
             # how many iterations each method needs to reach fixed success levels.
             "first_iteration_mean_success_at_least": {
