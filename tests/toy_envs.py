@@ -61,11 +61,14 @@ class FailingReset(Corridor):
 
 
 class UnseededCorridor(Corridor):
-    """Ignores its seed: the start cell is random."""
+    """Ignores its seed: the start cell is random, and never the same in two resets in a row (so that a
+    determinism check of two resets always sees the bug, instead of missing it by chance)."""
 
     def reset(self, *, seed=None, options=None):
         observation, info = super().reset(seed=seed, options=options)
-        self.position = random.SystemRandom().randrange(self.length - 1)
+        previous = getattr(self, "_previous_start", None)
+        self.position = random.SystemRandom().choice([cell for cell in range(self.length - 1) if cell != previous])
+        self._previous_start = self.position
         return self._observation(), self._info()
 
 
