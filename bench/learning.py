@@ -173,31 +173,32 @@ def run(config: Path, model: str, omega: float, seed: int, output_dir: Path, ove
     return time.perf_counter() - started
 
 
-def draught_following(output_dir: Path) -> dict[int, float]:
-    """Rooms diagnostic: per training rollout, the share of sampled steps whose action goes the way the draught
-    blows (0.5 for a policy that ignores it, 1 for the optimal one), from the recorded sample episodes."""
-    shares = {}
-    for name, episodes in read_trajectories(output_dir).items():
-        mode, rollout = name.split("-")
-        steps = [step for episode in episodes for step in episode["steps"] if "draught blows" in step["observation"]]
-        if mode == "train" and steps:
-            follows = [step["action"] == draught_move(step["observation"]) for step in steps]
-            shares[int(rollout)] = sum(follows) / len(follows)
-    return shares
+def draught_steps(output_dir: Path) -> list[tuple[int, bool, dict]]:
+    """Rooms diagnostic: the recorded training steps taken where a draught blows (not in the treasure room), as
+    (rollout, whether the action follows the draught, the step record). Empty outside rooms."""
+    return [(int(name.split("-")[1]), step["action"] == draught_move(step["observation"]), step)
+            for name, episodes in read_trajectories(output_dir).items() if name.startswith("train-")
+            for episode in episodes for step in episode["steps"] if "draught blows" in step["observation"]]
 
 
-def draught_advantages(output_dir: Path) -> dict[str, float] | None:
-    """Rooms diagnostic: the mean advantage (the one the loss used) of recorded training steps that follow the
-    draught and of those that go against it. A credit signal that points the right way gives the first the higher
-    value; the gap, in units of the advantages' standard deviation (GiGPO's sum of two normalized terms has the larger
-    scale), says how sharply it separates them. None outside rooms."""
+def draught_following(steps: list[tuple[int, bool, dict]]) -> dict[int, float]:
+    """Per training rollout, the share of `draught_steps` whose action goes the way the draught blows (0.5 for a
+    policy that ignores it, 1 for the optimal one)."""
+    follows_by_rollout: dict[int, list[bool]] = {}
+    for rollout, follows, _ in steps:
+        follows_by_rollout.setdefault(rollout, []).append(follows)
+    return {rollout: sum(follows) / len(follows) for rollout, follows in follows_by_rollout.items()}
+
+
+def draught_advantages(steps: list[tuple[int, bool, dict]]) -> dict[str, float] | None:
+    """The mean advantage (the one the loss used) of the valid `draught_steps` that follow the draught and of those
+    that go against it. A credit signal that points the right way gives the first the higher value; the gap, in units
+    of the advantages' standard deviation (GiGPO's sum of two normalized terms has the larger scale), says how
+    sharply it separates them. None outside rooms."""
     by_kind: dict[str, list[float]] = {"follows": [], "against": []}
-    for name, episodes in read_trajectories(output_dir).items():
-        if name.startswith("train-"):
-            for step in (step for episode in episodes for step in episode["steps"]):
-                if "draught blows" in step["observation"] and step["valid"]:
-                    kind = "follows" if step["action"] == draught_move(step["observation"]) else "against"
-                    by_kind[kind].append(step["advantage"])
+    for _, follows, step in steps:
+        if step["valid"]:
+            by_kind["follows" if follows else "against"].append(step["advantage"])
     if not by_kind["follows"] or not by_kind["against"]:
         return None
     means = {kind: float(np.mean(values)) for kind, values in by_kind.items()}
@@ -215,11 +216,11 @@ def logged_entropy(log_path: Path) -> list[float]:
     return entropies
 
 
-def curves(runs: dict[tuple[str, int], Path]) -> list[dict]:
+def curves(runs: dict[tuple[str, int], Path], hint_steps: dict[tuple[str, int], list]) -> list[dict]:
     """One row per (method, seed, rollout): step, mode, success rate, return, step-group statistics, timings."""
     rows = []
     for (method, seed), output_dir in runs.items():
-        following = draught_following(output_dir)
+        following = draught_following(hint_steps[method, seed])
         entropy = iter(logged_entropy(output_dir.with_suffix(".log")))  # the k-th update follows the k-th rollout
         for record in read_iterations(output_dir):
             metrics = record["metrics"]
@@ -361,14 +362,15 @@ def main() -> None:
         for (method, seed), output_dir in runs.items():
             seconds[f"{method} seed {seed}"] = run(args.config, model, METHODS[method], seed, output_dir, overrides)
             print(f"{method:16s} seed {seed}: {seconds[f'{method} seed {seed}']:.0f} s", flush=True)
-    rows = curves(runs)
+    hint_steps = {run: draught_steps(output_dir) for run, output_dir in runs.items()}  # each run's records read once
+    rows = curves(runs, hint_steps)
     with open(args.output / "learning_curves.csv", "w", newline="") as file:
         writer = csv.DictWriter(file, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
     plot(rows, args.output / "learning_curves.png")
     result = summary(rows, args.seeds) | {"wall_seconds": seconds}
-    advantages = {f"{method} seed {seed}": draught_advantages(output_dir) for (method, seed), output_dir in runs.items()}
+    advantages = {f"{method} seed {seed}": draught_advantages(hint_steps[method, seed]) for method, seed in runs}
     if all(advantages.values()):
         result["advantage_by_draught"] = advantages
     (args.output / "summary.json").write_text(json.dumps(result, indent=2))
