@@ -178,12 +178,23 @@ def compare(settings: dict, variant: str, learning_rate: float, seeds: int, iter
     return summary
 
 
+def json_object(text: str) -> dict:
+    """argparse type: a JSON object (the environment's keyword arguments)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({error}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object of keyword arguments, got {text!r}")
+    return value
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", type=Path, default=ROOT / "recipes" / "configs" / "learning_rooms_cpu.yaml")
     parser.add_argument("--seeds", type=int, default=20)
     parser.add_argument("--iterations", type=int, default=100)
-    parser.add_argument("--env-kwargs", type=json.loads, default=None, help='JSON, replaces the config\'s env_kwargs, '
+    parser.add_argument("--env-kwargs", type=json_object, default=None, help='JSON, replaces the config\'s env_kwargs, '
                         'e.g. \'{"num_rooms": 21}\'')
     parser.add_argument("--max-env-steps", type=int, default=None, help="replaces the config's max_env_steps")
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))

@@ -347,6 +347,8 @@ def main() -> None:
     settings = yaml.safe_load(args.config.read_text())
     runs = {(method, seed): args.output / f"{'gigpo' if omega else 'grpo'}-seed{seed}"
             for seed in args.seeds for method, omega in METHODS.items()}
+    if args.reading_probe is not None and args.reading_probe < 1:
+        parser.error(f"--reading-probe takes a number of updates >= 1, got {args.reading_probe}")
     if args.reading_probe is not None and settings["env_name"] != "rooms":
         parser.error(f"--reading-probe knows the right action of the rooms environment only, not {settings['env_name']!r}")
     model = args.model
