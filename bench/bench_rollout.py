@@ -30,18 +30,24 @@ MEMORY_TOKENS = 32  # completion tokens per sample
 
 
 def bench_rollout(model: str, num_tasks: int, group_size: int, turns: int, tokens: int, repeats: int,
-                  history_length: int) -> None:
+                  history_length: int, use_vllm: bool = False) -> dict:
+    """Time the multi-turn rollout against one batched generation of as many tokens; prints and returns the figures."""
     from gigpo_trl.config import GiGPOConfig
     from gigpo_trl.env_pool import Task
     from gigpo_trl.prompts import build_messages
     from gigpo_trl.rollout import collect_rollout
     from gigpo_trl.trainer import GiGPOTrainer, task_dataset
 
+    import torch
+
+    # Answers of exactly `tokens` tokens: HF generate's and vLLM's names for the lower bound differ.
+    backend = {"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.3} if use_vllm else {}
     config = GiGPOConfig(
         output_dir=tempfile.mkdtemp(), env_name="sokoban", per_device_train_batch_size=num_tasks * group_size,
         num_generations=group_size, max_completion_length=tokens, max_env_steps=turns, report_to=[],
-        history_length=history_length,
-        generation_kwargs={"min_new_tokens": tokens}, gradient_checkpointing=False,
+        history_length=history_length, gradient_checkpointing=False,
+        generation_kwargs={"min_tokens" if use_vllm else "min_new_tokens": tokens},
+        model_init_kwargs={"dtype": "bfloat16"} if torch.cuda.is_available() else None, **backend,
     )
     trainer = GiGPOTrainer(model, args=config, train_dataset=task_dataset(range(num_tasks)))
     tasks = [Task(seed=s) for s in range(num_tasks)]
@@ -55,14 +61,20 @@ def bench_rollout(model: str, num_tasks: int, group_size: int, turns: int, token
                                     template=trainer.prompt_template) for o in pool.reset(tasks)]
     prompt_ids = trainer._tokenize_prompts(first_prompts)[0]
 
-    def one_generation(new_tokens: int):
+    def set_answer_length(new_tokens: int) -> None:
+        if use_vllm:
+            trainer.vllm_generation.max_completion_length = new_tokens
+            trainer.vllm_generation.generation_kwargs["min_tokens"] = new_tokens
+            return
         for settings in (trainer.generation_config.__dict__, trainer.generation_kwargs):
             settings["max_new_tokens"] = settings["min_new_tokens"] = new_tokens
+
+    def one_generation(new_tokens: int):
+        set_answer_length(new_tokens)
         try:
             return trainer._generate_single_turn(prompt_ids, None, {}, 1)[0]
         finally:
-            for settings in (trainer.generation_config.__dict__, trainer.generation_kwargs):
-                settings["max_new_tokens"] = settings["min_new_tokens"] = tokens
+            set_answer_length(tokens)
 
     rollout()  # warm-up
     results = []
@@ -85,7 +97,16 @@ def bench_rollout(model: str, num_tasks: int, group_size: int, turns: int, token
     print(f"  one batched generation   {single_seconds:7.2f} s  ({single_tokens} tokens)")
     print(f"  ratio                    {rollout_seconds / single_seconds:7.2f}x (median of {repeats} runs, range "
           f"{ratios[0]:.2f}-{ratios[-1]:.2f}x; target <= 1.15x)")
+    print(f"  generated tokens/s       {played.generated_tokens / played.generation_seconds:7.0f} in the rollout, "
+          f"{single_tokens / single_seconds:.0f} in one batched generation")
     trainer.close_environments()
+    return {
+        "sequences": pool.num_envs, "turns": played.generate_calls, "history_length": history_length,
+        "rollout_s": rollout_seconds, "generation_s": played.generation_seconds, "env_s": played.env_seconds,
+        "one_generation_s": single_seconds, "ratio": rollout_seconds / single_seconds, "ratio_range": [ratios[0], ratios[-1]],
+        "tokens": played.generated_tokens, "tokens_per_s": played.generated_tokens / played.generation_seconds,
+        "one_generation_tokens_per_s": single_tokens / single_seconds,
+    }
 
 
 def update_peak_memory(trainer_kind: str, model: str, output_dir: str) -> dict:
