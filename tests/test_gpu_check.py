@@ -1,0 +1,144 @@
+"""bench/gpu_check.py on a machine without a GPU: argument parsing, skip logic, the worker processes, results
+merging and the summary writer, so that the GPU command does not rot between GPU sessions."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from bench import gpu_check
+from bench.gpu_check import CHECKS, Check, main, missing_requirements, run_checks, run_worker, write_summary
+
+no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without a CUDA GPU")
+
+
+@no_cuda
+def test_without_a_gpu_every_check_is_skipped_with_its_reason_and_the_summary_says_so(tmp_path):
+    report = main(["--output-dir", str(tmp_path), "--summary", str(tmp_path / "gpu.md")])
+
+    assert [r["name"] for r in report["checks"]] == [c.name for c in CHECKS]
+    assert all(r["status"] == "skipped" and "no CUDA GPU" in r["reason"] for r in report["checks"])
+    assert json.loads((tmp_path / "results.json").read_text())["checks"] == report["checks"]
+    summary = (tmp_path / "gpu.md").read_text()
+    assert "GPU: none (no CUDA device)" in summary
+    assert f"0 passed, 0 failed, {len(CHECKS)} skipped." in summary
+    assert "| `deepspeed_zero3` | skipped | 0 | no CUDA GPU" in summary
+
+
+def test_a_check_names_every_missing_requirement():
+    check = Check("x", ("cuda", "deepspeed", "vllm"), 10, "")
+    reasons = missing_requirements(check, {"cuda": True, "deepspeed": False, "vllm": False})
+    assert reasons == ["deepspeed is not installed (pip install -e '.[deepspeed]')", "vllm is not installed (pip install -e '.[vllm]')"]
+    assert missing_requirements(check, {"cuda": True, "deepspeed": True, "vllm": True}) == []
+
+
+def test_a_failing_or_raising_check_fails_alone_and_the_others_still_run(capsys):
+    checks = [Check("a", ("cuda",), 10, ""), Check("b", ("cuda",), 10, ""), Check("c", ("cuda",), 10, ""), Check("d", ("vllm",), 10, "")]
+
+    def raises(options, log):
+        raise RuntimeError("CUDA error: an illegal memory access")
+
+    runners = {"a": lambda options, log: {"problems": ["loss not finite"]}, "b": raises,
+               "c": lambda options, log: {"problems": [], "x": 1}}
+    results = run_checks(checks, None, {"cuda": True, "vllm": False}, runners=runners)
+
+    assert [(r["name"], r["status"]) for r in results] == [("a", "fail"), ("b", "fail"), ("c", "pass"), ("d", "skipped")]
+    assert results[1]["figures"]["problems"] == ["RuntimeError: CUDA error: an illegal memory access"]
+    assert results[3]["reason"] == "vllm is not installed (pip install -e '.[vllm]')"
+    assert "[gpu_check] b: fail" in capsys.readouterr().out
+
+
+def sample_report() -> dict:
+    train = {"iterations": 3, "seconds_per_iteration": 4.25, "losses": [0.1, -0.05, 0.02], "env/success_rate": 0.25,
+             "generation/tokens_per_s": 1234.5, "peak_memory_gib": 3.5, "weights_changed_share": 0.97, "problems": []}
+    runs = [{"size": "qwen2.5-1.5b", "parameters": 1_543_714_304, "bound": 4, "tasks": 2, "step_samples": 32.0,
+             "subsampled_rows": 28.0, "memory_at_update_start_gib": 9.1, "update_peak_gib": 14.2, "problems": []}]
+    return {
+        "date": "2026-11-22", "seconds": 321.0, "notes": ["measured twice"],
+        "machine": {"gpu": "NVIDIA H100 80GB HBM3", "gpu_count": 1, "gpu_memory_gib": 79.2, "cuda": "13.0",
+                    "versions": {"torch": "2.11.0", "vllm": None}},
+        "checks": [
+            {"name": "gpu_tests", "status": "pass", "seconds": 61.2, "figures": {"summary": "5 passed, 1 skipped in 60s", "problems": []}},
+            {"name": "train_full_bf16", "status": "pass", "seconds": 20.4, "figures": train},
+            {"name": "deepspeed_zero3", "status": "fail", "seconds": 30.0, "figures": {"problems": ["exit code 1"]}},
+            {"name": "vllm_colocate", "status": "skipped", "seconds": 0.0, "reason": "vllm is not installed"},
+            {"name": "update_memory", "status": "pass", "seconds": 90.0, "figures": {"runs": runs, "problems": []}},
+        ],
+    }
+
+
+def test_the_summary_has_the_machine_each_check_its_figures_and_the_memory_table(tmp_path):
+    text = write_summary(sample_report(), tmp_path / "docs" / "gpu.md").read_text()
+
+    assert "GPU: NVIDIA H100 80GB HBM3 x 1 (79.2 GiB), CUDA 13.0." in text
+    assert "Versions: torch 2.11.0, vllm not installed." in text
+    assert "| `gpu_tests` | pass | 61 | 5 passed, 1 skipped in 60s |" in text
+    assert ("| `train_full_bf16` | pass | 20 | 3 iterations, 4.25 s each; loss 0.1, -0.05, 0.02; success 0.25; "
+            "1234 tokens/s; peak 3.5 GiB; weights changed share 0.97 |") in text
+    assert "| `deepspeed_zero3` | fail | 30 |  **exit code 1** |" in text
+    assert "| `vllm_colocate` | skipped | 0 | vllm is not installed |" in text
+    assert "| `update_memory` | pass | 90 | bound 4, 32 samples: 5222 MiB added |" in text
+    assert "| qwen2.5-1.5b | 1.54B | 4 | 32 | 4 | 9.1 | 14.2 | 5222 | True |" in text
+    assert "3 passed, 1 failed, 1 skipped." in text
+    assert "## Notes\n\n- measured twice" in text
+
+
+@no_cuda
+def test_update_keeps_the_earlier_checks_that_are_not_run_again(tmp_path):
+    earlier = tmp_path / "earlier.json"
+    earlier.write_text(json.dumps(sample_report()))
+    report = main(["--only", "gpu_tests", "--update", str(earlier), "--output-dir", str(tmp_path / "out"),
+                   "--summary", str(tmp_path / "gpu.md"), "--note", "re-run without a GPU"])
+
+    statuses = {r["name"]: r["status"] for r in report["checks"]}
+    assert statuses == {"gpu_tests": "skipped", "train_full_bf16": "pass", "deepspeed_zero3": "fail",
+                        "vllm_colocate": "skipped", "update_memory": "pass"}
+    assert [r["name"] for r in report["checks"]] == ["gpu_tests", "train_full_bf16", "deepspeed_zero3", "vllm_colocate", "update_memory"]
+    assert report["notes"] == ["measured twice", "re-run without a GPU"]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--steps", "0"], "--steps must be at least 1, got 0"),
+        (["--timeout", "0"], "--timeout must be at least 1 second, got 0"),
+        (["--only", "train_everything"], "invalid choice: 'train_everything'"),
+        (["--update", "/nonexistent/results.json"], "--update /nonexistent/results.json: no such results file"),
+    ],
+)
+def test_bad_arguments_are_refused_with_a_message(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_list_names_every_check_and_its_needs(capsys):
+    main(["--list"])
+    out = capsys.readouterr().out
+    for check in CHECKS:
+        assert check.name in out and ", ".join(check.needs) in out
+
+
+def test_pytest_counts_are_read_from_its_closing_line():
+    assert gpu_check._count("==== 4 passed, 1 failed, 2 skipped in 61.2s ====", "passed") == 4
+    assert gpu_check._count("==== 4 passed, 1 failed, 2 skipped in 61.2s ====", "skipped") == 2
+    assert gpu_check._count("==== 3 errors in 2s ====", "error") == 3
+    assert gpu_check._count("==== 3 passed in 2s ====", "failed") == 0
+
+
+def test_the_training_worker_runs_in_its_own_process_and_reports_its_figures(tiny_model_path):
+    result = run_worker("train", {"model": tiny_model_path, "max_steps": 2, "lora": True}, timeout=600)
+
+    assert result["problems"] == []
+    assert result["iterations"] == 2 and len(result["losses"]) == 2
+    assert result["adapter_changed_share"] > 0.5 and result["base_changed_share"] == 0.0
+    assert result["env/step_samples"] > 0 and result["gigpo/singleton_share"] is not None
+
+
+def test_a_worker_that_fails_reports_the_error_instead_of_figures(tmp_path):
+    result = run_worker("train", {"model": str(tmp_path / "no-such-model"), "max_steps": 1}, timeout=600)
+    assert len(result["problems"]) == 2 and "exit code 1" in result["problems"][1]
+    assert "no-such-model" in result["problems"][0]
