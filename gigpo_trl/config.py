@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -10,9 +11,24 @@ from trl import GRPOConfig
 
 from gigpo_trl.advantages import EPISODE_STATS_MODES, NORM_MODES
 
-# Loss types whose normalization ignores rows with a zero loss mask (the rows that keep processes
-# in lock-step). "grpo", "sapo", "dr_grpo" and "luspo" average over rows, so padding would dilute them.
-SUPPORTED_LOSS_TYPES = ("dapo", "bnpo", "cispo", "vespo")
+# Loss types whose normalization ignores rows with a zero loss mask (the rows that keep processes in lock-step):
+# they divide by the token count of the whole generation batch (`num_items_in_batch`). "grpo", "sapo", "dr_grpo"
+# and "luspo" average over rows, and "bnpo" divides by each micro-batch's own token count, so a micro-batch of
+# padding rows still counts as one of the accumulation steps: padding would shrink their gradients.
+SUPPORTED_LOSS_TYPES = ("dapo", "cispo", "vespo")
+
+# GRPOConfig fields whose job GiGPO does otherwise (TRL's reward-function advantages, its tool-calling loop):
+# refused unless at their defaults, with what does the job here.
+REPLACED_FIELDS = {
+    "scale_rewards": ("group", "advantages are normalized by advantage_norm ('mean_std' or 'mean') within each task "
+                      "group (episode advantage) and each step group (step advantage)"),
+    "reward_weights": (None, "rewards come from the environment (one reward per step); combine reward terms inside "
+                       "the environment's step()"),
+    "multi_objective_aggregation": ("sum_then_normalize", "there is one reward, the environment's; advantages are "
+                                    "normalized by advantage_norm"),
+    "max_tool_calling_iterations": (None, "GiGPO's turns are environment steps, bounded by max_env_steps; TRL's "
+                                    "tool-calling loop is not used"),
+}
 
 
 @dataclass
@@ -110,6 +126,7 @@ class GiGPOConfig(GRPOConfig):
     def __post_init__(self):
         if self.bf16 is None and not self.fp16 and not _cuda_available():
             self.bf16 = False
+        self._check_trajectories_per_process()
         if isinstance(self.env_kwargs, str):
             try:
                 self.env_kwargs = json.loads(self.env_kwargs)
@@ -143,15 +160,21 @@ class GiGPOConfig(GRPOConfig):
             problems.append(f"max_step_samples_per_micro_batch={self.max_step_samples_per_micro_batch} must be >= 1")
         if self.loss_type not in SUPPORTED_LOSS_TYPES:
             problems.append(
-                f"loss_type={self.loss_type!r} averages over rows, so the zero-weight rows that keep processes in "
-                f"lock-step would dilute it; use one of {SUPPORTED_LOSS_TYPES} ('dapo' is GiGPO's token mean)"
+                f"loss_type={self.loss_type!r} normalizes per row or per micro-batch, so the zero-weight rows that keep "
+                f"processes in lock-step would shrink its gradient; use one of {SUPPORTED_LOSS_TYPES}, which divide by the "
+                f"token count of the whole rollout ('dapo' is GiGPO's token mean)"
             )
-        trajectories_per_process = self.per_device_train_batch_size * self.steps_per_generation
-        if trajectories_per_process % self.num_generations:
+        if self.per_device_train_batch_size * self.steps_per_generation % self.num_generations:
+            problems.append(_trajectories_message(self.per_device_train_batch_size, self.steps_per_generation,
+                                                  self.num_generations))
+        for name, (default, replacement) in REPLACED_FIELDS.items():
+            if getattr(self, name) != default:
+                problems.append(f"{name}={getattr(self, name)!r} has no effect in GiGPO ({replacement}); leave it at {default!r}")
+        if self.entropy_coef != 0.0 or self.use_adaptive_entropy:
             problems.append(
-                f"per_device_train_batch_size * steps_per_generation = {self.per_device_train_batch_size} * "
-                f"{self.steps_per_generation} = {trajectories_per_process} trajectories per process must be a multiple "
-                f"of num_generations={self.num_generations}, so that the copies of a task never split across processes"
+                f"entropy_coef={self.entropy_coef} / use_adaptive_entropy={self.use_adaptive_entropy}: TRL's entropy bonus "
+                "is a per-micro-batch mean, which the zero-weight rows that keep processes in lock-step would dilute; "
+                "it is not supported (leave entropy_coef=0.0 and use_adaptive_entropy=False)"
             )
         num_generations_eval = self.num_generations_eval or self.num_generations
         if self.per_device_eval_batch_size % num_generations_eval:
@@ -161,6 +184,31 @@ class GiGPOConfig(GRPOConfig):
             )
         if problems:
             raise ValueError("invalid GiGPOConfig: " + "; ".join(problems))
+
+    def _check_trajectories_per_process(self) -> None:
+        """Before GRPOConfig's own check, whose message ("generation_batch_size must be divisible by
+        num_generations") speaks of prompts, not of tasks and copies."""
+        if self.generation_batch_size is not None:  # steps_per_generation then depends on the process count
+            return
+        steps = self.steps_per_generation or self.gradient_accumulation_steps
+        if self.per_device_train_batch_size * steps % self.num_generations:
+            raise ValueError("invalid GiGPOConfig: " + _trajectories_message(self.per_device_train_batch_size, steps,
+                                                                            self.num_generations))
+
+
+def _trajectories_message(per_device_train_batch_size: int, steps_per_generation: int, num_generations: int) -> str:
+    trajectories = per_device_train_batch_size * steps_per_generation
+    step = num_generations // math.gcd(num_generations, steps_per_generation)
+    working = -(-per_device_train_batch_size // step) * step
+    return (
+        f"each process plays per_device_train_batch_size x steps_per_generation = {per_device_train_batch_size} x "
+        f"{steps_per_generation} = {trajectories} trajectories per rollout, which must be whole groups of "
+        f"num_generations = {num_generations} copies of a task (a task's copies never split across processes). "
+        f"Trajectories per rollout = tasks x copies; each of the steps_per_generation micro-batches of the update holds "
+        f"the step samples of per_device_train_batch_size trajectories. A setting that works: "
+        f"per_device_train_batch_size={working} with steps_per_generation={steps_per_generation} "
+        f"({working * steps_per_generation // num_generations} task(s) x {num_generations} copies per process)"
+    )
 
 
 def _cuda_available() -> bool:

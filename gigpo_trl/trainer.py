@@ -69,6 +69,8 @@ class GiGPOTrainer(GRPOTrainer):
             environment (e.g. a class defined in a notebook).
         prompt_template: the wording of step prompts (default: `args.prompt_template`, else the environment's).
         callbacks, optimizers, peft_config: as in `GRPOTrainer`.
+        reward_funcs: refused (rewards come from the environment); accepted only as None, so that code written for
+            `GRPOTrainer` fails with a clear message.
     """
 
     _tag_names = ["trl", "gigpo"]
@@ -86,7 +88,13 @@ class GiGPOTrainer(GRPOTrainer):
         callbacks: list | None = None,
         optimizers: tuple = (None, None),
         peft_config: Any = None,
+        reward_funcs: Any = None,
     ):
+        if reward_funcs is not None:
+            raise ValueError(
+                "GiGPOTrainer takes its rewards from the environment (the reward that env.step returns), so reward_funcs "
+                "would have no effect: compute the reward inside the environment's step() instead"
+            )
         if isinstance(model, str | os.PathLike):
             model = resolve_model(os.fspath(model))
         if args is None:
@@ -208,7 +216,9 @@ class GiGPOTrainer(GRPOTrainer):
         completion_ids, logprobs = self._generate_single_turn(prompt_ids, None, {}, 1)
         completions = []
         for k, ids in enumerate(completion_ids):
-            ids, lps = list(ids), (list(logprobs[k]) if logprobs is not None else None)
+            # vLLM reports a token whose log-prob is NaN as None: NaN again here (no importance-sampling correction)
+            lps = None if logprobs is None else [float("nan") if lp is None else float(lp) for lp in logprobs[k]]
+            ids = list(ids)
             if not ids:  # an empty answer still needs a token for the loss (TRL reads ids[-1])
                 ids = [self.eos_token_ids[0]]
                 lps = None if lps is None else [float("nan")]  # NaN: no sampling log-prob, no IS correction
@@ -260,9 +270,10 @@ class GiGPOTrainer(GRPOTrainer):
                 self.generation_config.do_sample = saved
 
     def _dummy_completion(self) -> Completion:
-        """A stand-in sample (zero loss weight) for a process whose environments all failed to start."""
+        """A stand-in sample (zero loss weight) for a process whose environments all failed to start. Under vLLM
+        it carries a NaN sampling log-prob, like the real samples of the other processes carry theirs."""
         prompt_ids = self._tokenize_prompts([DUMMY_PROMPT])[0][0]
-        return Completion(list(prompt_ids), [self.eos_token_ids[0]], "", None)
+        return Completion(list(prompt_ids), [self.eos_token_ids[0]], "", [float("nan")] if self.use_vllm else None)
 
     # ------------------------------------------------------------------------------------------
     # From step samples to TRL's batch.
@@ -290,10 +301,11 @@ class GiGPOTrainer(GRPOTrainer):
         pad_id = self._tokenizer.pad_token_id
         prompt_ids = [torch.tensor(c.prompt_ids) for c in completions]
         completion_ids = [torch.tensor(c.completion_ids) for c in completions]
-        prompt_mask = pad([torch.ones_like(t) for t in prompt_ids], padding_value=0, padding_side="left").to(device)
-        prompt_ids = pad(prompt_ids, padding_value=pad_id, padding_side="left").to(device)
-        completion_mask = pad([torch.ones_like(t) for t in completion_ids], padding_value=0, padding_side="right").to(device)
-        completion_ids = pad(completion_ids, padding_value=pad_id, padding_side="right").to(device)
+        multiple = self.pad_to_multiple_of
+        prompt_mask = pad([torch.ones_like(t) for t in prompt_ids], 0, "left", multiple).to(device)
+        prompt_ids = pad(prompt_ids, pad_id, "left", multiple).to(device)
+        completion_mask = pad([torch.ones_like(t) for t in completion_ids], 0, "right", multiple).to(device)
+        completion_ids = pad(completion_ids, pad_id, "right", multiple).to(device)
         if self.mask_truncated_completions:
             ends = {*self.eos_token_ids, pad_id}
             finished = torch.tensor([c.completion_ids[-1] in ends for c in completions], device=device)
@@ -312,9 +324,8 @@ class GiGPOTrainer(GRPOTrainer):
         }
         sampling_logps = None
         if all(c.logprobs is not None for c in completions):
-            sampling_logps = pad(
-                [torch.tensor(c.logprobs, dtype=torch.float32) for c in completions], padding_value=0.0, padding_side="right"
-            ).to(device)
+            sampling_logps = pad([torch.tensor(c.logprobs, dtype=torch.float32) for c in completions], 0.0, "right",
+                                 multiple).to(device)
             batch["sampling_per_token_logps"] = sampling_logps
 
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)

@@ -1,0 +1,196 @@
+"""GiGPOTrainer under the GRPOConfig settings a TRL user can reach: exact losses under the lock-step padding
+rows, and settings it cannot honour refused at construction with a message that names them."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
+
+from gigpo_trl.config import SUPPORTED_LOSS_TYPES, GiGPOConfig
+from gigpo_trl.rollout import Completion
+from gigpo_trl.trainer import GiGPOTrainer, task_dataset
+
+pytestmark = pytest.mark.timeout(300)
+TRL_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
+
+
+def config(tmp_path, **overrides) -> GiGPOConfig:
+    settings = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2, steps_per_generation=2,
+                    gradient_accumulation_steps=2, max_completion_length=8, report_to=[], gradient_checkpointing=False,
+                    save_strategy="no", seed=0, env_name="sokoban")
+    return GiGPOConfig(**{**settings, **overrides})
+
+
+def step_samples(vocab_size: int, count: int, seed: int) -> tuple[list[Completion], list[float]]:
+    """Step samples of different prompt and answer lengths, with advantages of both signs."""
+    rng = random.Random(seed)
+    completions = [
+        Completion([rng.randrange(3, vocab_size) for _ in range(rng.randint(3, 9))],
+                   [rng.randrange(3, vocab_size) for _ in range(rng.randint(1, 8))], "")
+        for _ in range(count)
+    ]
+    return completions, [rng.uniform(-2, 2) for _ in range(count)]
+
+
+def update_gradient(trainer: GiGPOTrainer, completions, weights, advantages, shuffle_seed: int) -> torch.Tensor:
+    """The summed gradient of one update: the rows shuffled and split into steps_per_generation micro-batches,
+    exactly as GRPOTrainer._prepare_inputs does, each micro-batch's loss back-propagated."""
+    trainer.model.train()
+    trainer.model.zero_grad()
+    batch = trainer._tensorize(completions, weights, [a * w for a, w in zip(advantages, weights)], "train")
+    torch.manual_seed(shuffle_seed)
+    for micro_batch in split_tensor_dict(shuffle_sequence_dict(batch), trainer.args.steps_per_generation):
+        trainer.compute_loss(trainer.model, micro_batch).backward()
+    return torch.cat([p.grad.flatten() for p in trainer.model.parameters() if p.grad is not None])
+
+
+@pytest.mark.parametrize("loss_type", SUPPORTED_LOSS_TYPES)
+def test_padding_rows_leave_the_update_gradient_unchanged_for_every_allowed_loss(tmp_path, tiny_model_path, loss_type):
+    trainer = GiGPOTrainer(tiny_model_path, args=config(tmp_path, loss_type=loss_type),
+                           train_dataset=task_dataset(range(4)))
+    trainer.current_gradient_accumulation_steps = trainer.args.gradient_accumulation_steps
+    completions, advantages = step_samples(trainer.model.config.vocab_size, 2, seed=1)
+    reference = update_gradient(trainer, completions, [1.0, 1.0], advantages, shuffle_seed=0)
+    assert reference.abs().sum() > 0
+
+    # 2 real rows padded to 8 the way _rows_for_update pads (copies of real rows, loss weight 0), under
+    # shuffles that put the real rows in one micro-batch or in both.
+    padding = [completions[k % 2] for k in range(6)]
+    for shuffle_seed in range(6):
+        padded = update_gradient(trainer, completions + padding, [1.0, 1.0] + [0.0] * 6, advantages + [9.0] * 6,
+                                 shuffle_seed)
+        torch.testing.assert_close(padded, reference, rtol=1e-5, atol=1e-8)
+
+
+@pytest.mark.parametrize("loss_type", sorted(set(TRL_LOSS_TYPES) - set(SUPPORTED_LOSS_TYPES)))
+def test_the_other_loss_types_are_refused_with_the_reason(tmp_path, loss_type):
+    with pytest.raises(ValueError, match=f"loss_type='{loss_type}' normalizes per row or per micro-batch"):
+        config(tmp_path, loss_type=loss_type)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (dict(scale_rewards="batch"), "scale_rewards='batch' has no effect in GiGPO (advantages are normalized by advantage_norm"),
+        (dict(scale_rewards=False), "scale_rewards='none' has no effect in GiGPO"),
+        (dict(reward_weights=[1.0, 0.5]), "reward_weights=[1.0, 0.5] has no effect in GiGPO (rewards come from the environment"),
+        (dict(multi_objective_aggregation="normalize_then_sum"), "multi_objective_aggregation='normalize_then_sum' has no effect"),
+        (dict(entropy_coef=0.01), "entropy_coef=0.01 / use_adaptive_entropy=False: TRL's entropy bonus is a per-micro-batch mean"),
+        (dict(use_adaptive_entropy=True), "use_adaptive_entropy=True: TRL's entropy bonus"),
+        (dict(max_tool_calling_iterations=3), "max_tool_calling_iterations=3 has no effect in GiGPO (GiGPO's turns are environment steps"),
+    ],
+)
+def test_settings_gigpo_replaces_or_cannot_honour_are_refused(tmp_path, overrides, message):
+    with pytest.raises(ValueError, match="invalid GiGPOConfig: ") as error:
+        config(tmp_path, **overrides)
+    assert message in str(error.value)
+
+
+def test_the_defaults_of_the_replaced_fields_are_accepted(tmp_path):
+    config(tmp_path, scale_rewards=True, reward_weights=None, multi_objective_aggregation="sum_then_normalize")
+
+
+def test_batch_arithmetic_is_explained_in_tasks_and_copies(tmp_path):
+    with pytest.raises(ValueError) as error:
+        config(tmp_path, per_device_train_batch_size=2, steps_per_generation=2, num_generations=8)
+    message = str(error.value)
+    assert "generation_batch_size" not in message
+    assert ("per_device_train_batch_size x steps_per_generation = 2 x 2 = 4 trajectories per rollout, which must be "
+            "whole groups of num_generations = 8 copies of a task") in message
+    assert "per_device_train_batch_size=4 with steps_per_generation=2 (1 task(s) x 8 copies per process)" in message
+    config(tmp_path, per_device_train_batch_size=4, steps_per_generation=2, num_generations=8)  # the suggestion works
+
+
+def test_batch_arithmetic_with_the_default_steps_per_generation(tmp_path):
+    with pytest.raises(ValueError, match="= 3 x 2 = 6 trajectories per rollout") as error:
+        config(tmp_path, per_device_train_batch_size=3, steps_per_generation=None, gradient_accumulation_steps=2,
+               num_generations=4)
+    assert "per_device_train_batch_size=4 with steps_per_generation=2" in str(error.value)
+
+
+def test_reward_funcs_are_refused_with_the_reason(tmp_path, tiny_model_path):
+    with pytest.raises(ValueError, match="GiGPOTrainer takes its rewards from the environment"):
+        GiGPOTrainer(tiny_model_path, args=config(tmp_path), train_dataset=task_dataset(range(4)),
+                     reward_funcs=[lambda completions, **kwargs: [0.0] * len(completions)])
+
+
+class VLLMLikeGeneration:
+    """Stands in for TRL's vLLM backend in `_generate_single_turn`: answers of a few token ids with their sampling
+    log-probs, where vLLM reports the log-prob of some tokens as None (NaN in vLLM)."""
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size, self.calls = vocab_size, 0
+
+    def __call__(self, prompt_ids, images, multimodal_fields, num_generations):
+        self.calls += 1
+        rng = random.Random(self.calls)
+        completion_ids = [[rng.randrange(3, self.vocab_size) for _ in range(4)] for _ in prompt_ids]
+        logprobs = [[None if k == 1 else -rng.uniform(0.1, 3.0) for k in range(4)] for _ in prompt_ids]
+        return completion_ids, logprobs
+
+
+def vllm_like_trainer(tmp_path, tiny_model_path, env_name="sokoban") -> GiGPOTrainer:
+    trainer = GiGPOTrainer(tiny_model_path, args=config(tmp_path, env_name=env_name, max_env_steps=2, env_processes=False),
+                           train_dataset=task_dataset(range(4)))
+    # What use_vllm=True sets up, without a vLLM engine: the backend, and its importance-sampling correction.
+    trainer.use_vllm, trainer.vllm_importance_sampling_correction = True, True
+    trainer._generate_single_turn = VLLMLikeGeneration(trainer.model.config.vocab_size)
+    return trainer
+
+
+def test_vllm_log_probs_reported_as_none_become_nan_and_get_no_correction(tmp_path, tiny_model_path):
+    trainer = vllm_like_trainer(tmp_path, tiny_model_path)
+    rows = [{"seed": seed, "options": ""} for seed in (0, 0, 1, 1, 2, 2, 3, 3)]
+
+    batch = trainer._generate_and_score_completions(rows)
+
+    sampling = batch["sampling_per_token_logps"]
+    assert torch.isnan(sampling[:, 1]).all() and torch.isfinite(sampling[:, [0, 2, 3]]).all()
+    ratio = batch["importance_sampling_ratio"]
+    assert torch.isfinite(ratio).all() and ratio.shape == (sampling.shape[0], 1)  # sequence_mask: one per row
+    trainer.close_environments()
+
+
+def test_under_vllm_a_process_whose_environments_all_failed_still_builds_its_batch(tmp_path, tiny_model_path):
+    from toy_envs import FailingReset
+
+    from gigpo_trl.envs import register_env
+
+    register_env("failing_reset", FailingReset, overwrite=True)
+    trainer = vllm_like_trainer(tmp_path, tiny_model_path, env_name="failing_reset")
+    rows = [{"seed": seed, "options": ""} for seed in (0, 0, 1, 1, 2, 2, 3, 3)]
+
+    batch = trainer._generate_and_score_completions(rows)  # before: RuntimeError (no sampling log-probs)
+
+    assert batch["tool_mask"].sum() == 0  # only stand-in rows, with zero loss weight
+    assert torch.isfinite(batch["importance_sampling_ratio"]).all()
+    trainer.close_environments()
+
+
+def test_pad_to_multiple_of_pads_the_batch_like_trl(tmp_path, tiny_model_path):
+    trainer = GiGPOTrainer(tiny_model_path, args=config(tmp_path, pad_to_multiple_of=16), train_dataset=task_dataset(range(4)))
+    completions, advantages = step_samples(trainer.model.config.vocab_size, 4, seed=2)
+    batch = trainer._tensorize(completions, [1.0] * 4, advantages, "train")
+    assert batch["prompt_ids"].shape[1] == 16 and batch["completion_ids"].shape[1] == 16
+    assert batch["prompt_mask"].sum() == sum(len(c.prompt_ids) for c in completions)
+    assert batch["completion_mask"].sum() == sum(len(c.completion_ids) for c in completions)
+
+
+def test_the_readme_says_what_gigpo_does_with_every_grpo_config_field():
+    import dataclasses
+    import fnmatch
+    import re
+    from pathlib import Path
+
+    from transformers import TrainingArguments
+    from trl import GRPOConfig
+
+    readme = Path(__file__).resolve().parent.parent / "README.md"
+    section = readme.read_text().split("### TRL's `GRPOConfig` fields under GiGPO", 1)[1].split("\n## ", 1)[0]
+    named = set(re.findall(r"`([a-z0-9_*]+)`", section))
+    own = {f.name for f in dataclasses.fields(GRPOConfig)} - {f.name for f in dataclasses.fields(TrainingArguments)}
+    missing = [name for name in sorted(own) if not any(fnmatch.fnmatchcase(name, pattern) for pattern in named)]
+    assert missing == []
