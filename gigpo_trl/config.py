@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,7 +42,8 @@ class GiGPOConfig(GRPOConfig):
     (arXiv 2505.10978) and its reference implementation.
 
     On a machine without CUDA, `bf16` defaults to False (bf16 matmuls are about 10x slower on CPUs
-    without bf16 instructions); set it explicitly to override.
+    without bf16 instructions); set it explicitly to override. There, under a multi-process launcher
+    (`torchrun --nproc_per_node N`), `use_cpu` defaults to True, so that the processes form one run (gloo).
     """
 
     # GiGPO
@@ -126,6 +128,10 @@ class GiGPOConfig(GRPOConfig):
     def __post_init__(self):
         if self.bf16 is None and not self.fp16 and not _cuda_available():
             self.bf16 = False
+        if not self.use_cpu and int(os.environ.get("WORLD_SIZE", "1")) > 1 and not _cuda_available():
+            # Several processes (torchrun) on a machine without CUDA: without use_cpu, accelerate would make
+            # every process train alone; with it they form one run over gloo.
+            self.use_cpu = True
         self._check_trajectories_per_process()
         if isinstance(self.env_kwargs, str):
             try:

@@ -11,6 +11,7 @@ still caught, but a crash or a hang is not survivable (use it for pure-Python en
 from __future__ import annotations
 
 import gc
+import math
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -18,7 +19,7 @@ import pickle
 import signal
 import time
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -214,6 +215,10 @@ class EnvPool:
         for g, task in enumerate(tasks):
             copies = [outputs[i] for i in range(g * self.group_size, (g + 1) * self.group_size)]
             anchors = [output.anchor for output in copies if INFO_ENV_ERROR not in output.info]
+            unhashable = [anchor for anchor in anchors if not isinstance(anchor, Hashable)]
+            if unhashable:
+                raise TypeError(f"environment {self.name!r}: info['anchor'] must be hashable (a str, a tuple, ...), "
+                                f"got a {type(unhashable[0]).__name__}: {unhashable[0]!r}")
             distinct = len(set(anchors))
             if distinct > 1:
                 warnings.warn(
@@ -231,6 +236,8 @@ def _execute(env: TextEnv, command: str, argument: Any) -> EnvOutput:
         observation, info = env.reset(seed=argument.seed, options=argument.options)
         return EnvOutput(str(observation), info=dict(info))
     observation, reward, terminated, truncated, info = env.step(argument)
+    if not math.isfinite(float(reward)):  # would poison the group's advantages: a failure of this trajectory
+        raise ValueError(f"step returned a non-finite reward ({reward})")
     return EnvOutput(str(observation), float(reward), bool(terminated), bool(truncated), dict(info))
 
 

@@ -62,6 +62,8 @@ def main(task_args: TaskArguments, training_args: GiGPOConfig, model_args: Model
         peft_config=get_peft_config(model_args),
     )
 
+    if trainer.accelerator.is_main_process:
+        print(f"GiGPO on {trainer.accelerator.num_processes} process(es), {trainer.accelerator.device}")
     before = trainer.evaluate() if eval_tasks is not None else None
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     after = trainer.evaluate() if eval_tasks is not None else None

@@ -1,15 +1,18 @@
-"""Launched by tests/test_distributed.py with `accelerate launch`: a short scripted GiGPO run whose
-tasks make the processes' episodes very uneven; the main process writes the logged metrics as JSON.
+"""Launched by tests/test_distributed.py with torchrun: a short scripted GiGPO run whose tasks make the
+processes' episodes very uneven; the main process writes the process count and the logged metrics as JSON.
 
-    accelerate launch --num_processes 2 --cpu tests/distributed_run.py MODEL_DIR OUTPUT_DIR
+    python -m torch.distributed.run --nproc_per_node 2 tests/distributed_run.py MODEL_DIR OUTPUT_DIR [ENV_NAME]
+
+ENV_NAME "bad_anchor_on_rank_1" makes the process of rank 1 alone raise in its first rollout.
 """
 
 import json
+import os
 import sys
 from pathlib import Path
 
 from scripted_policy import ScriptedTrainer
-from toy_envs import Corridor
+from toy_envs import BadAnchorOnRank1, Corridor
 
 from gigpo_trl.config import GiGPOConfig
 from gigpo_trl.envs import register_env
@@ -18,10 +21,11 @@ from gigpo_trl.trainer import task_dataset
 TRAJECTORIES = 8  # per rollout, over all processes: 4 tasks x 2 copies
 
 
-def main(model_dir: str, output_dir: str) -> None:
+def main(model_dir: str, output_dir: str, env_name: str = "corridor") -> None:
     register_env("corridor", Corridor, overwrite=True)
+    register_env("bad_anchor_on_rank_1", BadAnchorOnRank1, overwrite=True)
     config = GiGPOConfig(
-        output_dir=output_dir, env_name="corridor", num_generations=2, steps_per_generation=1,
+        output_dir=output_dir, env_name=env_name, num_generations=2, steps_per_generation=1,
         gradient_accumulation_steps=1, per_device_train_batch_size=TRAJECTORIES // _world_size(),
         max_steps=2, max_env_steps=15, max_completion_length=8, learning_rate=1e-3, logging_steps=1,
         report_to=[], save_strategy="no", gradient_checkpointing=False, shuffle_dataset=False, seed=0,
@@ -35,14 +39,13 @@ def main(model_dir: str, output_dir: str) -> None:
     trainer.close_environments()
     if trainer.accelerator.is_main_process:
         logs = [entry for entry in trainer.state.log_history if "env/success_rate" in entry]
-        Path(output_dir, "metrics.json").write_text(json.dumps(logs))
+        processes = trainer.accelerator.num_processes
+        Path(output_dir, "metrics.json").write_text(json.dumps({"processes": processes, "logs": logs}))
 
 
 def _world_size() -> int:
-    from accelerate import PartialState
-
-    return PartialState().num_processes
+    return int(os.environ.get("WORLD_SIZE", "1"))  # a PartialState made here would fix the device before the config
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    main(*sys.argv[1:4])

@@ -1,8 +1,11 @@
-"""Real multi-process training: `accelerate launch --num_processes 2 --cpu` (gloo)."""
+"""Real multi-process training on CPU: two processes started by torchrun, talking over gloo.
+
+`accelerate launch --cpu --num_processes 2` is not used: without mpirun, accelerate starts ONE process on CPU."""
 
 from __future__ import annotations
 
 import json
+import time
 import subprocess
 import sys
 from pathlib import Path
@@ -17,13 +20,17 @@ SAME_STATISTICS = [
 ]
 
 
+def torchrun(num_processes: int, *arguments: str, timeout: float = 400) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(num_processes), str(SCRIPT), *arguments]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=SCRIPT.parent)
+
+
 def launch(num_processes: int, model_dir: str, output_dir: Path) -> list[dict]:
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(num_processes), "--cpu",
-               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(SCRIPT), model_dir,
-               str(output_dir)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=400)
+    result = torchrun(num_processes, model_dir, str(output_dir))
     assert result.returncode == 0, result.stderr[-4000:]
-    return json.loads((output_dir / "metrics.json").read_text())
+    written = json.loads((output_dir / "metrics.json").read_text())
+    assert written["processes"] == num_processes
+    return written["logs"]
 
 
 @pytest.mark.slow
@@ -40,3 +47,14 @@ def test_two_processes_with_uneven_episodes_finish_and_match_one_process(tmp_pat
             assert step_two[name] == pytest.approx(step_one[name], rel=1e-6), name
     # The run really was uneven: half the episodes took 2-3 steps, half 11-12.
     assert two[0]["env/episode_length_mean"] == pytest.approx((2 + 3 + 2 + 3 + 11 + 12 + 11 + 12) / 8)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_an_error_on_one_process_ends_every_process_promptly_with_the_message(tmp_path, tiny_model_path):
+    started = time.monotonic()
+    result = torchrun(2, tiny_model_path, str(tmp_path), "bad_anchor_on_rank_1", timeout=240)
+
+    assert result.returncode != 0
+    assert time.monotonic() - started < 60
+    assert "environment 'bad_anchor_on_rank_1': info['anchor'] must be hashable" in result.stderr

@@ -46,6 +46,8 @@ def test_steps_only_the_environments_asked_for():
         ("raise", "environment raised RuntimeError: the interpreter broke"),
         ("unpicklable", "environment raised"),
         ("hang", "no answer within 2 s (hung)"),
+        ("nan", "environment raised ValueError: step returned a non-finite reward (nan)"),
+        ("inf", "environment raised ValueError: step returned a non-finite reward (inf)"),
     ],
 )
 def test_a_failing_environment_ends_only_its_own_trajectory(fragile_pool, action, reason):
@@ -84,12 +86,13 @@ def test_seeded_copies_give_no_warning():
         pool.reset([Task(seed=0), Task(seed=1)])
 
 
-def test_in_process_pool_catches_exceptions():
+@pytest.mark.parametrize(("action", "error"), [("raise", "RuntimeError"), ("nan", "non-finite reward (nan)")])
+def test_in_process_pool_catches_exceptions_and_non_finite_rewards(action, error):
     with EnvPool(FragileCorridor, num_groups=1, group_size=2, processes=False) as pool:
         pool.reset([Task(seed=0)])
-        outputs = pool.step({0: "raise", 1: "right"})
+        outputs = pool.step({0: action, 1: "right"})
 
-    assert outputs[0].truncated and "RuntimeError" in outputs[0].info[INFO_ENV_ERROR]
+    assert outputs[0].truncated and outputs[0].reward == 0.0 and error in outputs[0].info[INFO_ENV_ERROR]
     assert outputs[1].anchor == (3, 1)
 
 
@@ -131,3 +134,13 @@ def test_hazard_actions_neither_crash_nor_hang_a_pool_of_textworld_games(tmp_pat
     # Only the first line of the newline action ran: the game did not take the passkey behind our back.
     assert outputs[2].reward == 0.0 and outputs[2].anchor != start[2].anchor  # went south only
     assert outputs[5].anchor == start[5].anchor  # the empty command changes nothing
+
+
+def test_an_unhashable_anchor_is_named_as_the_environment_s_bug():
+    class ListAnchors(Corridor):
+        def _info(self):
+            return {**super()._info(), "anchor": [self.length, self.position]}
+
+    with EnvPool(ListAnchors, num_groups=1, group_size=2, processes=False, name="lists") as pool:
+        with pytest.raises(TypeError, match=r"environment 'lists': info\['anchor'\] must be hashable .* got a list: \[3, 0\]"):
+            pool.reset([Task(seed=0)])

@@ -82,10 +82,10 @@ def test_the_recipe_trains_evaluates_saves_and_reports(tmp_path, tiny_model_path
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_the_recipe_runs_under_accelerate_launch_on_two_cpu_processes(tmp_path, tiny_model_path):
-    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                str(RECIPES / "accelerate" / "cpu_2proc.yaml")]
+def test_the_recipe_runs_on_two_cpu_processes_under_torchrun(tmp_path, tiny_model_path):
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
     result = run_recipe(launcher, tiny_model_path, tmp_path)
 
+    assert "GiGPO on 2 process(es), cpu" in result.stdout
     assert "Held-out success rate" in result.stdout
     assert (tmp_path / "report" / "index.html").is_file()

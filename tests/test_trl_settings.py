@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
@@ -194,3 +195,26 @@ def test_the_readme_says_what_gigpo_does_with_every_grpo_config_field():
     own = {f.name for f in dataclasses.fields(GRPOConfig)} - {f.name for f in dataclasses.fields(TrainingArguments)}
     missing = [name for name in sorted(own) if not any(fnmatch.fnmatchcase(name, pattern) for pattern in named)]
     assert missing == []
+
+
+def test_a_non_finite_reward_ends_its_trajectory_as_an_environment_failure(tmp_path, tiny_model_path):
+    from toy_envs import Corridor
+
+    from gigpo_trl.envs import register_env
+
+    class NaNOnSecondStep(Corridor):
+        def step(self, action):
+            observation, reward, terminated, truncated, info = super().step(action)
+            self.steps = getattr(self, "steps", 0) + 1
+            return observation, float("nan") if self.steps == 2 else reward, terminated, truncated, info
+
+    register_env("nan_on_second_step", NaNOnSecondStep, overwrite=True)
+    trainer = GiGPOTrainer(tiny_model_path, args=config(tmp_path, env_name="nan_on_second_step", max_env_steps=4,
+                                                        env_processes=False, max_steps=1, logging_steps=1),
+                           train_dataset=task_dataset([3, 3, 3, 3]))  # 6-cell corridors: no episode ends in 1 step
+    trainer.train()  # before: ValueError from the advantage pass ("rewards ... NaN")
+
+    log = next(entry for entry in trainer.state.log_history if "env/env_error_share" in entry)
+    assert log["env/env_error_share"] == 1.0 and log["env/truncated_share"] == 1.0
+    assert all(np.isfinite(log[key]) for key in ("gigpo/episode_advantage_std", "gigpo/step_advantage_std", "loss"))
+    trainer.close_environments()

@@ -52,6 +52,8 @@ class FragileCorridor(Corridor):
             raise RuntimeError("the interpreter broke")
         if action == "unpicklable":
             return "obs", 0.0, False, False, {"handle": lambda: None}
+        if action in ("nan", "inf"):
+            return "obs", float(action), False, False, self._info()
         return super().step(action)
 
 
@@ -89,3 +91,14 @@ class GuessTheNumber(gymnasium.Env):
         hint = "right" if won else ("too low" if guess < self.secret else "too high")
         info = {"anchor": ("after", guess), "admissible_actions": [str(k) for k in range(1, 10)], "won": won}
         return f"{guess} is {hint}.", 10.0 if won else 0.0, won, False, info
+
+
+class BadAnchorOnRank1(Corridor):
+    """On the process of rank 1 of a distributed run, its anchors are lists (unhashable): the advantage pass
+    of that process alone raises, as any bug of one process might."""
+
+    def _info(self):
+        info = super()._info()
+        if os.environ.get("RANK") == "1":
+            info["anchor"] = list(info["anchor"])
+        return info
