@@ -122,7 +122,8 @@ class GiGPOConfig(GRPOConfig):
                   "update's peak memory whatever the episode lengths. The step samples of a rollout are split into "
                   "steps_per_generation micro-batches; if a process has more than steps_per_generation times this "
                   "bound, samples are drawn uniformly to fit (after the advantages are computed) and the number "
-                  "dropped is logged as gigpo/subsampled_rows. None: no bound."},
+                  "dropped is logged as gigpo/subsampled_rows. Evaluation keeps every sample and runs its loss in passes of "
+                  "at most this many rows (None: per_device_eval_batch_size rows). None: no bound."},
     )
 
     def __post_init__(self):

@@ -287,7 +287,8 @@ class GiGPOTrainer(GRPOTrainer):
         chunks = self.args.steps_per_generation if mode == "train" else 1
         kept = list(range(num_samples))
         bound = self.args.max_step_samples_per_micro_batch
-        if bound is not None and num_samples > chunks * bound:
+        # Evaluation keeps every sample: its loss runs in forward passes of at most the bound (prediction_step).
+        if mode == "train" and bound is not None and num_samples > chunks * bound:
             draw = random.Random(f"{self.args.seed}-{self.state.global_step}-{self.accelerator.process_index}")
             kept = sorted(draw.sample(kept, chunks * bound))
         num_rows = max(self._max_across_processes(len(kept)), 1)
@@ -361,6 +362,24 @@ class GiGPOTrainer(GRPOTrainer):
                             self.model, input_ids, attention_mask, logits_to_keep, batch_size=forward_batch
                         )
         return batch
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys: list[str] | None = None):
+        """The evaluation loss of a held-out rollout (GRPOTrainer's runs every row in one forward pass)."""
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad(), self.compute_loss_context_manager():
+            loss = self._loss_in_parts(model, inputs)
+        return loss.detach(), None, None
+
+    def _loss_in_parts(self, model, inputs: dict[str, Any]) -> torch.Tensor:
+        """`compute_loss` over slices of at most max_step_samples_per_micro_batch rows (else
+        per_device_eval_batch_size), summed. Exact for the allowed loss types, which sum over tokens and
+        divide by the whole batch's token count; every process makes the same number of passes (its row
+        count is the same)."""
+        rows = inputs["prompt_ids"].size(0)
+        size = self.args.max_step_samples_per_micro_batch or self.args.per_device_eval_batch_size
+        parts = [{key: value[start : start + size] if isinstance(value, torch.Tensor) and value.dim() else value
+                  for key, value in inputs.items()} for start in range(0, rows, size)]
+        return sum(self.compute_loss(model, part) for part in parts)
 
     # ------------------------------------------------------------------------------------------
     # Metrics.
