@@ -130,7 +130,8 @@ class GiGPOTrainer(GRPOTrainer):
             prompt_template = load_template(args.prompt_template) if args.prompt_template else template_for(self.env_name)
         self.prompt_template = prompt_template
         self._pools: dict[str, EnvPool] = {}
-        self._last_rollout_end: float | None = None
+        self._last_rollout_end: float | None = None  # of the latest training rollout
+        self._seconds_outside_updates = 0.0  # evaluation time since then, which is not the update's
         self._warned_singletons = False
         self._rollouts_recorded = count_rollouts(args.output_dir)
         self.last_rollout: Rollout | None = None  # the latest rollout of this process (trajectories, for reports)
@@ -152,7 +153,9 @@ class GiGPOTrainer(GRPOTrainer):
         mode = "train" if self.model.training else "eval"
         started = time.perf_counter()
         # The time since the previous rollout ended: the update (all micro-batches and the optimizer step).
-        update_seconds = started - self._last_rollout_end if mode == "train" and self._last_rollout_end else None
+        update_seconds = None
+        if mode == "train" and self._last_rollout_end is not None:
+            update_seconds = started - self._last_rollout_end - self._seconds_outside_updates
 
         # 1. Rollout: N copies of each task, one batched generation per turn.
         group_size = self.num_generations if mode == "train" else self.num_generations_eval
@@ -203,7 +206,8 @@ class GiGPOTrainer(GRPOTrainer):
         self._write_records(mode, metrics, rollout, gigpo)
         if self.log_completions:
             self._log_step_samples(rollout, gigpo.advantages)
-        self._last_rollout_end = time.perf_counter()
+        if mode == "train":
+            self._last_rollout_end, self._seconds_outside_updates = time.perf_counter(), 0.0
         return batch
 
     # ------------------------------------------------------------------------------------------
@@ -350,6 +354,8 @@ class GiGPOTrainer(GRPOTrainer):
                     batch["old_per_token_logps"], sampling_logps, loss_mask, self.vllm_importance_sampling_mode,
                     self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max,
                 )
+                self._log_sampling_metrics(mode, batch["old_per_token_logps"], sampling_logps,
+                                           batch["importance_sampling_ratio"], loss_mask)
             if self.beta != 0.0:
                 if self.ref_model is not None:
                     batch["ref_per_token_logps"], _, _ = self._get_per_token_logps_and_entropies(
@@ -362,6 +368,13 @@ class GiGPOTrainer(GRPOTrainer):
                             self.model, input_ids, attention_mask, logits_to_keep, batch_size=forward_batch
                         )
         return batch
+
+    def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+        started = time.perf_counter()
+        try:
+            return super().evaluate(*args, **kwargs)
+        finally:
+            self._seconds_outside_updates += time.perf_counter() - started
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys: list[str] | None = None):
         """The evaluation loss of a held-out rollout (GRPOTrainer's runs every row in one forward pass)."""
@@ -437,6 +450,7 @@ class GiGPOTrainer(GRPOTrainer):
             metrics["timing/update_s"] = update_seconds
         metrics["generation/tokens_per_s"] = tokens / max(generation_s, 1e-9)
         metrics["completions/mean_length"] = tokens / max(num_steps, 1)
+        metrics |= self._standard_metrics(rollout)
         if mode == "train":
             prompt_tokens = self.accelerator.reduce(
                 torch.tensor(sum(len(s.completion.prompt_ids) for s in steps), device=device), "sum"
@@ -459,6 +473,70 @@ class GiGPOTrainer(GRPOTrainer):
             )
 
         return metrics
+
+    def _standard_metrics(self, rollout: Rollout) -> dict[str, float]:
+        """GRPOTrainer's standard metrics in GiGPO's terms, over every process's real step samples: `reward`,
+        `reward_std` (step rewards), `env/return_std`, `frac_reward_zero_std` (share of task groups whose
+        returns are all equal: no episode advantage for them), and the answer lengths."""
+        device = self.accelerator.device
+        rewards = np.array([s.reward for s in rollout.steps], dtype=np.float64)
+        lengths = [len(s.completion.completion_ids) for s in rollout.steps]
+        ends = {*self.eos_token_ids, self._tokenizer.pad_token_id}
+        clipped = sum(n >= self.max_completion_length and s.completion.completion_ids[-1] not in ends
+                      for n, s in zip(lengths, rollout.steps))
+        returns_by_group: dict[int, list[float]] = defaultdict(list)
+        for episode in rollout.episodes:
+            returns_by_group[episode.group].append(episode.episode_return)
+        returns = np.array([r for group in returns_by_group.values() for r in group], dtype=np.float64)
+        equal = sum(bool(np.isclose(np.std(group), 0.0)) for group in returns_by_group.values())
+        local_sums = torch.tensor(
+            [len(rewards), rewards.sum(), (rewards**2).sum(), len(returns), returns.sum(), (returns**2).sum(),
+             equal, len(returns_by_group), clipped],
+            dtype=torch.float64, device=device,
+        )
+        n, total, squares, n_returns, return_total, return_squares, equal, groups, clipped = (
+            self.accelerator.reduce(local_sums, "sum").tolist())
+        # min over processes of (shortest answer, -longest answer); no answers: +inf
+        local_extremes = torch.tensor([min(lengths, default=np.inf), -max(lengths, default=-np.inf)],
+                                      dtype=torch.float64, device=device)
+        shortest, longest = self.accelerator.gather(local_extremes).view(-1, 2).min(0).values.tolist()
+        return {
+            "reward": total / max(n, 1),
+            "reward_std": _bessel_std(total, squares, n),
+            "env/return_std": _bessel_std(return_total, return_squares, n_returns),
+            "frac_reward_zero_std": equal / max(groups, 1),
+            "completions/min_length": shortest if np.isfinite(shortest) else 0.0,
+            "completions/max_length": -longest if np.isfinite(longest) else 0.0,
+            "completions/clipped_ratio": clipped / max(n, 1),
+        }
+
+    def _log_sampling_metrics(self, mode: str, old_logps: torch.Tensor, sampling_logps: torch.Tensor,
+                              ratio: torch.Tensor, loss_mask: torch.Tensor) -> None:
+        """vLLM's `sampling/*` diagnostics as GRPOTrainer logs them, over the tokens (or, for sequence-level
+        ratios, the rows) of real step samples of all processes; nothing when there are none.
+
+        Args:
+            old_logps, sampling_logps, loss_mask: (B, C). ratio: (B, C) or (B, 1).
+        """
+        mask = loss_mask.bool()
+        delta = (old_logps - sampling_logps).abs()
+        delta = delta[mask & ~torch.isnan(delta)]  # a token vLLM could not score tells nothing
+        ratios = ratio[mask] if ratio.size(1) > 1 else ratio[mask.any(dim=1)].flatten()
+        inf = torch.tensor(float("inf"), device=delta.device)
+        local = torch.stack([
+            delta.sum(), torch.tensor(float(delta.numel()), device=delta.device), delta.max() if delta.numel() else -inf,
+            ratios.sum(), torch.tensor(float(ratios.numel()), device=delta.device),
+            ratios.min() if ratios.numel() else inf, ratios.max() if ratios.numel() else -inf,
+        ]).double()
+        parts = self.accelerator.gather(local).view(-1, 7)
+        delta_sum, delta_count, ratio_sum, ratio_count = (parts[:, k].sum().item() for k in (0, 1, 3, 4))
+        if delta_count:
+            self._metrics[mode]["sampling/sampling_logp_difference/mean"].append(delta_sum / delta_count)
+            self._metrics[mode]["sampling/sampling_logp_difference/max"].append(parts[:, 2].max().item())
+        if ratio_count:
+            self._metrics[mode]["sampling/importance_sampling_ratio/min"].append(parts[:, 5].min().item())
+            self._metrics[mode]["sampling/importance_sampling_ratio/mean"].append(ratio_sum / ratio_count)
+            self._metrics[mode]["sampling/importance_sampling_ratio/max"].append(parts[:, 6].max().item())
 
     def _write_records(self, mode: str, metrics: dict[str, float], rollout: Rollout, gigpo: Any) -> None:
         """The rollout's record and sample episodes for the run report (see `gigpo_trl.records`)."""
@@ -509,6 +587,13 @@ def importance_sampling_ratio(
     low = clip_min if clip_min is not None else -float("inf")
     high = clip_max if clip_max is not None else float("inf")
     return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
+
+
+def _bessel_std(total: float, squares: float, count: float) -> float:
+    """Sample standard deviation (ddof 1, as TRL's nanstd) from a sum and a sum of squares; 0 below 2 values."""
+    if count < 2:
+        return 0.0
+    return max((squares - total * total / count) / (count - 1), 0.0) ** 0.5
 
 
 def tasks_from_rows(rows: Sequence[dict[str, Any]], group_size: int) -> list[Task]:

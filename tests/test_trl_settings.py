@@ -4,6 +4,7 @@ rows, and settings it cannot honour refused at construction with a message that 
 from __future__ import annotations
 
 import random
+import time
 
 import numpy as np
 import pytest
@@ -252,4 +253,86 @@ def test_the_evaluation_loss_runs_in_passes_of_at_most_the_bound_and_equals_one_
     sizes.clear()
     metrics = trainer.evaluate()
     assert np.isfinite(metrics["eval_loss"]) and sizes and max(sizes) <= 3
+    trainer.close_environments()
+
+
+def test_vllm_sampling_diagnostics_leave_out_padding_rows_and_unscored_tokens(tmp_path, tiny_model_path):
+    trainer = vllm_like_trainer(tmp_path, tiny_model_path)
+    trainer.vllm_importance_sampling_mode = "token_truncate"
+    completions, advantages = step_samples(trainer.model.config.vocab_size, 4, seed=3)
+    for k, completion in enumerate(completions):  # real rows: plausible log-probs, one unscored; padding: absurd
+        completion.logprobs = [-1.0] * len(completion.completion_ids) if k < 2 else [-80.0] * len(completion.completion_ids)
+        if k == 0:
+            completion.logprobs[0] = float("nan")
+    trainer._metrics["train"].clear()
+
+    batch = trainer._tensorize(completions, [1.0, 1.0, 0.0, 0.0], advantages, "train")
+
+    real = batch["completion_mask"][:2].bool().clone()
+    real[0, 0] = False
+    expected = (batch["old_per_token_logps"][:2] + 1.0).abs()[real]
+    logged = trainer._metrics["train"]
+    assert logged["sampling/sampling_logp_difference/mean"] == [pytest.approx(expected.mean().item(), rel=1e-6)]
+    assert logged["sampling/sampling_logp_difference/max"] == [pytest.approx(expected.max().item(), rel=1e-6)]
+    ratios = batch["importance_sampling_ratio"][:2][batch["completion_mask"][:2].bool()]
+    assert logged["sampling/importance_sampling_ratio/mean"] == [pytest.approx(ratios.mean().item(), rel=1e-6)]
+    assert logged["sampling/importance_sampling_ratio/max"] == [pytest.approx(ratios.max().item(), rel=1e-6)]
+    trainer.close_environments()
+
+
+def test_the_standard_grpo_metrics_are_logged_in_gigpo_terms(tmp_path, tiny_model_path):
+    trainer = GiGPOTrainer(tiny_model_path, args=config(tmp_path, max_env_steps=3, env_processes=False, max_steps=1,
+                                                        logging_steps=1), train_dataset=task_dataset(range(4)))
+    trainer.train()
+    log = next(entry for entry in trainer.state.log_history if "env/step_samples" in entry)
+    rollout = trainer.last_rollout
+
+    rewards = np.array([s.reward for s in rollout.steps])
+    lengths = [len(s.completion.completion_ids) for s in rollout.steps]
+    assert log["reward"] == pytest.approx(rewards.mean()) and log["reward_std"] == pytest.approx(rewards.std(ddof=1))
+    assert (log["completions/min_length"], log["completions/max_length"]) == (min(lengths), max(lengths))
+    ends = {*trainer.eos_token_ids, trainer.processing_class.pad_token_id}
+    cut = [len(s.completion.completion_ids) == 8 and s.completion.completion_ids[-1] not in ends for s in rollout.steps]
+    assert log["completions/clipped_ratio"] == pytest.approx(np.mean(cut))  # max_completion_length 8
+    groups: dict[int, list[float]] = {}
+    for episode in rollout.episodes:
+        groups.setdefault(episode.group, []).append(episode.episode_return)
+    assert log["frac_reward_zero_std"] == pytest.approx(np.mean([np.std(g) == 0 for g in groups.values()]))
+    returns = [r for g in groups.values() for r in g]
+    assert log["env/return_std"] == pytest.approx(np.std(returns, ddof=1))
+    trainer.close_environments()
+
+
+def test_update_time_is_the_update_s_own_even_with_evaluations_between_updates(tmp_path, tiny_model_path):
+    from toy_envs import Corridor
+    from transformers import TrainerCallback
+
+    from gigpo_trl.envs import register_env
+
+    class SlowWhenAsked(Corridor):
+        def reset(self, *, seed=None, options=None):
+            self.delay = (options or {}).get("delay", 0.0)
+            return super().reset(seed=seed, options=options)
+
+        def step(self, action):
+            time.sleep(self.delay)
+            return super().step(action)
+
+    class SlowOptimizerStep(TrainerCallback):
+        """Makes every update last at least 0.6 s (it runs between a step's backward and the evaluation)."""
+
+        def on_step_end(self, args, state, control, **kwargs):
+            time.sleep(0.6)
+
+    register_env("slow_when_asked", SlowWhenAsked, overwrite=True)
+    settings = dict(env_name="slow_when_asked", max_env_steps=4, env_processes=False, max_steps=3, logging_steps=1,
+                    eval_strategy="steps", eval_steps=1, per_device_eval_batch_size=2, num_generations_eval=2)
+    trainer = GiGPOTrainer(tiny_model_path, args=config(tmp_path, **settings), callbacks=[SlowOptimizerStep()],
+                           train_dataset=task_dataset(range(4), options=[{"length": 3}] * 4),
+                           eval_dataset=task_dataset([9], options=[{"length": 9, "delay": 0.4}]))
+    trainer.train()  # every evaluation plays 4 slow steps: at least 1.6 s
+
+    updates = [entry["timing/update_s"] for entry in trainer.state.log_history if "timing/update_s" in entry]
+    # Before: the evaluation's rollout reset the clock, so the update before it went unmeasured (about 0.0 s).
+    assert len(updates) == 2 and all(0.6 <= seconds < 1.6 for seconds in updates), updates
     trainer.close_environments()
