@@ -160,7 +160,7 @@ class GiGPOTrainer(GRPOTrainer):
         # 1. Rollout: N copies of each task, one batched generation per turn.
         group_size = self.num_generations if mode == "train" else self.num_generations_eval
         tasks = tasks_from_rows(inputs, group_size)
-        with self._greedy_decoding(mode == "eval" and self.args.eval_greedy):
+        with self._greedy_decoding(mode == "eval" and self.args.eval_greedy), self._vllm_awake():
             rollout = collect_rollout(
                 self._pool(mode, len(tasks), group_size),
                 tasks,
@@ -272,6 +272,27 @@ class GiGPOTrainer(GRPOTrainer):
                 self.vllm_generation.temperature = saved
             else:
                 self.generation_config.do_sample = saved
+
+    @contextmanager
+    def _vllm_awake(self):
+        """vLLM colocate with `vllm_enable_sleep_mode`: TRL's generate wakes the engine (a level-2 sleep discards
+        the weights, so every weight is pushed again) and puts it back to sleep at every call, which is every
+        turn here. Wake it once for the whole rollout and sleep once after it."""
+        generation = getattr(self, "vllm_generation", None) if self.use_vllm else None
+        if generation is None or generation.mode != "colocate" or not generation.enable_sleep_mode:
+            yield
+            return
+        if generation._llm_weights_sleeping:
+            generation.sync_weights()  # wakes the weights up and loads the current ones
+            self._last_loaded_step = self.state.global_step
+        generation.llm.wake_up(tags=["kv_cache"])
+        generation.enable_sleep_mode = False  # TRL's generate: no wake-up and no sleep per turn
+        try:
+            yield
+        finally:
+            generation.enable_sleep_mode = True
+            generation.llm.sleep(level=2)
+            generation._llm_weights_sleeping = True
 
     def _dummy_completion(self) -> Completion:
         """A stand-in sample (zero loss weight) for a process whose environments all failed to start. Under vLLM

@@ -336,3 +336,54 @@ def test_update_time_is_the_update_s_own_even_with_evaluations_between_updates(t
     # Before: the evaluation's rollout reset the clock, so the update before it went unmeasured (about 0.0 s).
     assert len(updates) == 2 and all(0.6 <= seconds < 1.6 for seconds in updates), updates
     trainer.close_environments()
+
+
+class SleepingVLLMEngine:
+    """Stands in for TRL's `VLLMGeneration` in colocate mode with sleep mode, whose engine cannot run on a CPU: it
+    follows TRL 1.16's wake/sleep protocol (generate re-syncs sleeping weights, wakes the KV cache, sleeps at level 2
+    after every call; sync_weights wakes the weights) and records what the engine was asked to do."""
+
+    mode = "colocate"
+
+    def __init__(self, vocab_size: int):
+        self.enable_sleep_mode, self._llm_weights_sleeping = True, True  # TRL puts the engine to sleep at start
+        self.vocab_size, self.events = vocab_size, []
+        self.llm = self
+
+    def wake_up(self, tags):
+        self.events.append(f"wake {tags[0]}")
+
+    def sleep(self, level):
+        self.events.append(f"sleep {level}")
+
+    def sync_weights(self):
+        if self.enable_sleep_mode:
+            self.wake_up(tags=["weights"])
+            self._llm_weights_sleeping = False
+        self.events.append("load weights")
+
+    def generate(self, prompts, images, num_generations, profiler):
+        if self.enable_sleep_mode and self._llm_weights_sleeping:
+            self.sync_weights()
+        if self.enable_sleep_mode:
+            self.wake_up(tags=["kv_cache"])
+        self.events.append("generate")
+        completion_ids = [[5, 6, 7] for _ in prompts]
+        if self.enable_sleep_mode:
+            self.sleep(level=2)
+            self._llm_weights_sleeping = True
+        return prompts, completion_ids, [[[-1.0]] * 3 for _ in prompts], None
+
+
+def test_vllm_sleep_mode_wakes_the_engine_once_per_rollout_not_once_per_turn(tmp_path, tiny_model_path):
+    trainer = GiGPOTrainer(tiny_model_path, args=config(tmp_path, max_env_steps=4, env_processes=False),
+                           train_dataset=task_dataset(range(4)))
+    engine = SleepingVLLMEngine(trainer.model.config.vocab_size)
+    trainer.use_vllm, trainer.vllm_generation, trainer._last_loaded_step = True, engine, -1
+    rows = [{"seed": seed, "options": ""} for seed in (0, 0, 1, 1, 2, 2, 3, 3)]
+
+    trainer._generate_and_score_completions(rows)  # 4 turns: answers "5 6 7" are invalid, no episode ends early
+
+    assert engine.events == ["wake weights", "load weights", "wake kv_cache"] + ["generate"] * 4 + ["sleep 2"]
+    assert engine.enable_sleep_mode and engine._llm_weights_sleeping  # asleep again, for the update
+    trainer.close_environments()
