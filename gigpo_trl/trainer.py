@@ -390,6 +390,26 @@ class GiGPOTrainer(GRPOTrainer):
                         )
         return batch
 
+    def _compute_loss(self, model, inputs: dict[str, Any]) -> torch.Tensor:
+        """GRPOTrainer's loss (exact under padding rows: see SUPPORTED_LOSS_TYPES), with its metrics made to leave
+        the padding rows out: a micro-batch holding only padding rows (on every process) logs nothing, and the
+        metrics with one value per row count real rows only."""
+        mode = "train" if self.model.training else "eval"
+        logged = {key: len(values) for key, values in self._metrics[mode].items()}
+        loss = super()._compute_loss(model, inputs)
+        real_rows = (inputs["tool_mask"].sum(dim=1) > 0).sum()
+        counts = torch.stack([real_rows, torch.tensor(inputs["tool_mask"].size(0), device=real_rows.device)])
+        real, total = self.accelerator.reduce(counts, "sum").tolist()
+        added = {key: values for key, values in self._metrics[mode].items() if len(values) > logged.get(key, 0)}
+        if real == 0:
+            for key, values in added.items():
+                del values[logged.get(key, 0):]
+        elif real < total:
+            per_row = {key: values[-1] for key, values in added.items()}
+            for key, value in padding_free_row_metrics(per_row, real, total, self.importance_sampling_level).items():
+                self._metrics[mode][key][-1] = value
+        return loss
+
     def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
         started = time.perf_counter()
         try:
@@ -608,6 +628,29 @@ def importance_sampling_ratio(
     low = clip_min if clip_min is not None else -float("inf")
     high = clip_max if clip_max is not None else float("inf")
     return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
+
+
+def padding_free_row_metrics(logged: dict[str, float], real: int, total: int, importance_sampling_level: str) -> dict[str, float]:
+    """The per-row metrics of GRPOTrainer's loss recomputed over the `real` rows of a micro-batch of `total` rows.
+
+    GRPOTrainer averages these over rows, padding rows included. A padding row's values are known: its loss mask
+    is 0 and its advantage 0, so its sequence-level importance ratio is 1, it is never clipped (0), and its VESPO
+    weight phi(1) is 1. Token-level metrics need nothing: they are masked.
+
+    Args:
+        logged: metric name -> the value GRPOTrainer just logged for the micro-batch (all processes).
+        real, total: the micro-batch's real and total rows, all processes.
+    """
+    corrected = {}
+    if "vespo/phi_seq_mean" in logged:
+        corrected["vespo/phi_seq_mean"] = (logged["vespo/phi_seq_mean"] * total - (total - real)) / real
+    if importance_sampling_level == "sequence":
+        for key in ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "cispo_clip_ratio"):
+            if key in logged:
+                corrected[key] = logged[key] * total / real
+        if "clip_ratio/low_min" in logged:  # per-row values are 0 or 1: the minimum is 1 only if every real row is 1
+            corrected["clip_ratio/low_min"] = 1.0 if corrected["clip_ratio/low_mean"] >= 1.0 - 1e-9 else 0.0
+    return corrected
 
 
 def _bessel_std(total: float, squares: float, count: float) -> float:

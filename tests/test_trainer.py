@@ -192,7 +192,7 @@ def test_evaluation_on_held_out_seeds_reports_the_success_rate(tmp_path, tiny_mo
         ({"gamma": 1.5}, r"gamma=1.5 must be in \[0, 1\]"),
         ({"advantage_norm": "std"}, r"advantage_norm='std' is not one of"),
         ({"episode_stats": "episodes"}, "episode_stats='episodes' is not one of"),
-        ({"loss_type": "grpo"}, "loss_type='grpo' averages over rows"),
+        ({"loss_type": "grpo"}, "loss_type='grpo' normalizes per row or per micro-batch"),
         ({"max_env_steps": 0}, "max_env_steps=0 must be >= 1"),
         ({"similarity_threshold": 1.5}, "similarity_threshold=1.5"),
         ({"env_kwargs": "{not json"}, "env_kwargs must be a dict or a JSON object string"),

@@ -387,3 +387,41 @@ def test_vllm_sleep_mode_wakes_the_engine_once_per_rollout_not_once_per_turn(tmp
     assert engine.events == ["wake weights", "load weights", "wake kv_cache"] + ["generate"] * 4 + ["sleep 2"]
     assert engine.enable_sleep_mode and engine._llm_weights_sleeping  # asleep again, for the update
     trainer.close_environments()
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("loss_type", SUPPORTED_LOSS_TYPES)
+def test_loss_metrics_of_a_micro_batch_leave_its_padding_rows_out(tmp_path, tiny_model_path, loss_type, level):
+    trainer = GiGPOTrainer(tiny_model_path, args=config(tmp_path, loss_type=loss_type, importance_sampling_level=level,
+                                                        epsilon=0.05), train_dataset=task_dataset(range(4)))
+    trainer.current_gradient_accumulation_steps = trainer.args.gradient_accumulation_steps
+    trainer.model.train()
+    completions, advantages = step_samples(trainer.model.config.vocab_size, 3, seed=4)
+    advantages = [1.5, -1.0, -0.5]
+    rows = completions + [completions[0], completions[1]]  # 3 real rows, 2 padding rows as _rows_for_update makes them
+    weights = [1.0, 1.0, 1.0, 0.0, 0.0]
+    batch = trainer._tensorize(rows, weights, [a * w for a, w in zip(advantages + [0.0, 0.0], weights)], "train")
+    # Old log-probs away from the current ones, so that ratios move and clipping happens.
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        current, _, _ = trainer._get_per_token_logps_and_entropies(
+            trainer.model, torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1),
+            torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1), batch["completion_ids"].size(1))
+    batch["old_per_token_logps"] = current + torch.randn(current.shape, generator=generator) * 0.3
+
+    def logged_metrics(micro_batch) -> dict[str, float]:
+        trainer._metrics["train"].clear()
+        trainer.compute_loss(trainer.model, micro_batch)
+        return {key: values[-1] for key, values in trainer._metrics["train"].items() if values}
+
+    real_only = {key: value[:3] if isinstance(value, torch.Tensor) and value.dim() else value for key, value in batch.items()}
+    with_padding, without = logged_metrics(batch), logged_metrics(real_only)
+    assert with_padding.keys() == without.keys() and "entropy" in with_padding
+    for key in without:
+        assert with_padding[key] == pytest.approx(without[key], rel=1e-5, abs=1e-7), key
+    if loss_type == "dapo":
+        assert 0.0 < without["clip_ratio/region_mean"] < 1.0  # the check is not vacuous
+
+    padding_only = {key: value[3:] if isinstance(value, torch.Tensor) and value.dim() else value for key, value in batch.items()}
+    assert logged_metrics(padding_only) == {}
+    trainer.close_environments()
