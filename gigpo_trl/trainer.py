@@ -445,11 +445,22 @@ class GiGPOTrainer(GRPOTrainer):
         device = self.accelerator.device
         episodes, steps = rollout.episodes, rollout.steps
         sizes = gigpo.step_group_sizes
+        rewards = np.array([s.reward for s in steps], dtype=np.float64)
+        answer_lengths = [len(s.completion.completion_ids) for s in steps]
+        ends = {*self.eos_token_ids, self._tokenizer.pad_token_id}
+        clipped = sum(n >= self.max_completion_length and s.completion.completion_ids[-1] not in ends
+                      for n, s in zip(answer_lengths, steps))
+        returns_by_group: dict[int, list[float]] = defaultdict(list)
+        for episode in episodes:
+            returns_by_group[episode.group].append(episode.episode_return)
+        equal_groups = sum(bool(np.isclose(np.std(group), 0.0)) for group in returns_by_group.values())
         local_sums = torch.tensor(
             [
                 len(episodes), sum(e.won for e in episodes), sum(e.episode_return for e in episodes),
-                sum(e.length for e in episodes), sum(e.truncated for e in episodes),
-                sum(e.env_error is not None for e in episodes), len(steps), sum(not s.valid for s in steps),
+                sum(e.episode_return ** 2 for e in episodes), sum(e.length for e in episodes),
+                sum(e.truncated for e in episodes), sum(e.env_error is not None for e in episodes),
+                len(returns_by_group), equal_groups,
+                len(steps), sum(not s.valid for s in steps), rewards.sum(), (rewards ** 2).sum(), clipped,
                 gigpo.stats.num_step_groups, int((sizes == 1).sum()), int((gigpo.step_advantages != 0).sum()),
                 float(gigpo.episode_advantages.sum()), float((gigpo.episode_advantages ** 2).sum()),
                 float(gigpo.step_advantages.sum()), float((gigpo.step_advantages ** 2).sum()),
@@ -457,13 +468,17 @@ class GiGPOTrainer(GRPOTrainer):
             ],
             dtype=torch.float64, device=device,
         )
-        (num_episodes, won, returns, lengths, truncated, errors, num_steps, invalid, num_groups, singletons,
-         nonzero, ae_sum, ae_sq, as_sum, as_sq, tokens, dropped) = self.accelerator.reduce(local_sums, "sum").tolist()
+        (num_episodes, won, returns, return_squares, lengths, truncated, errors, task_groups, equal_groups,
+         num_steps, invalid, reward_sum, reward_squares, clipped, num_groups, singletons, nonzero, ae_sum, ae_sq,
+         as_sum, as_sq, tokens, dropped) = self.accelerator.reduce(local_sums, "sum").tolist()
+        # Maxima over processes; the shortest answer as the maximum of its negative (no answers: -inf).
         local_maxima = torch.tensor(
-            [gigpo.stats.step_group_size_max, rollout_seconds, rollout.generation_seconds, rollout.env_seconds, advantage_seconds],
+            [gigpo.stats.step_group_size_max, rollout_seconds, rollout.generation_seconds, rollout.env_seconds,
+             advantage_seconds, -min(answer_lengths, default=np.inf), max(answer_lengths, default=-np.inf)],
             dtype=torch.float64, device=device,
         )
-        max_size, rollout_s, generation_s, env_s, advantage_s = self.accelerator.gather(local_maxima).view(-1, 5).max(0).values.tolist()
+        (max_size, rollout_s, generation_s, env_s, advantage_s, minus_shortest,
+         longest) = self.accelerator.gather(local_maxima).view(-1, 7).max(0).values.tolist()
 
         metrics: dict[str, float] = {}
         metrics["env/success_rate"] = won / max(num_episodes, 1)
@@ -491,7 +506,15 @@ class GiGPOTrainer(GRPOTrainer):
             metrics["timing/update_s"] = update_seconds
         metrics["generation/tokens_per_s"] = tokens / max(generation_s, 1e-9)
         metrics["completions/mean_length"] = tokens / max(num_steps, 1)
-        metrics |= self._standard_metrics(rollout)
+        # GRPOTrainer's standard metrics in GiGPO's terms: the step reward is the per-sample reward; a task group
+        # whose returns are all equal gets no episode advantage.
+        metrics["completions/min_length"] = -minus_shortest if np.isfinite(minus_shortest) else 0.0
+        metrics["completions/max_length"] = longest if np.isfinite(longest) else 0.0
+        metrics["completions/clipped_ratio"] = clipped / max(num_steps, 1)
+        metrics["reward"] = reward_sum / max(num_steps, 1)
+        metrics["reward_std"] = _bessel_std(reward_sum, reward_squares, num_steps)
+        metrics["env/return_std"] = _bessel_std(returns, return_squares, num_episodes)
+        metrics["frac_reward_zero_std"] = equal_groups / max(task_groups, 1)
         if mode == "train":
             prompt_tokens = self.accelerator.reduce(
                 torch.tensor(sum(len(s.completion.prompt_ids) for s in steps), device=device), "sum"
@@ -514,42 +537,6 @@ class GiGPOTrainer(GRPOTrainer):
             )
 
         return metrics
-
-    def _standard_metrics(self, rollout: Rollout) -> dict[str, float]:
-        """GRPOTrainer's standard metrics in GiGPO's terms, over every process's real step samples: `reward`,
-        `reward_std` (step rewards), `env/return_std`, `frac_reward_zero_std` (share of task groups whose
-        returns are all equal: no episode advantage for them), and the answer lengths."""
-        device = self.accelerator.device
-        rewards = np.array([s.reward for s in rollout.steps], dtype=np.float64)
-        lengths = [len(s.completion.completion_ids) for s in rollout.steps]
-        ends = {*self.eos_token_ids, self._tokenizer.pad_token_id}
-        clipped = sum(n >= self.max_completion_length and s.completion.completion_ids[-1] not in ends
-                      for n, s in zip(lengths, rollout.steps))
-        returns_by_group: dict[int, list[float]] = defaultdict(list)
-        for episode in rollout.episodes:
-            returns_by_group[episode.group].append(episode.episode_return)
-        returns = np.array([r for group in returns_by_group.values() for r in group], dtype=np.float64)
-        equal = sum(bool(np.isclose(np.std(group), 0.0)) for group in returns_by_group.values())
-        local_sums = torch.tensor(
-            [len(rewards), rewards.sum(), (rewards**2).sum(), len(returns), returns.sum(), (returns**2).sum(),
-             equal, len(returns_by_group), clipped],
-            dtype=torch.float64, device=device,
-        )
-        n, total, squares, n_returns, return_total, return_squares, equal, groups, clipped = (
-            self.accelerator.reduce(local_sums, "sum").tolist())
-        # min over processes of (shortest answer, -longest answer); no answers: +inf
-        local_extremes = torch.tensor([min(lengths, default=np.inf), -max(lengths, default=-np.inf)],
-                                      dtype=torch.float64, device=device)
-        shortest, longest = self.accelerator.gather(local_extremes).view(-1, 2).min(0).values.tolist()
-        return {
-            "reward": total / max(n, 1),
-            "reward_std": _bessel_std(total, squares, n),
-            "env/return_std": _bessel_std(return_total, return_squares, n_returns),
-            "frac_reward_zero_std": equal / max(groups, 1),
-            "completions/min_length": shortest if np.isfinite(shortest) else 0.0,
-            "completions/max_length": -longest if np.isfinite(longest) else 0.0,
-            "completions/clipped_ratio": clipped / max(n, 1),
-        }
 
     def _log_sampling_metrics(self, mode: str, old_logps: torch.Tensor, sampling_logps: torch.Tensor,
                               ratio: torch.Tensor, loss_mask: torch.Tensor) -> None:

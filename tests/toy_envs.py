@@ -94,8 +94,8 @@ class GuessTheNumber(gymnasium.Env):
 
 
 class BadAnchorOnRank1(Corridor):
-    """On the process of rank 1 of a distributed run, its anchors are lists (unhashable): the advantage pass
-    of that process alone raises, as any bug of one process might."""
+    """On the process of rank 1 of a distributed run, its anchors are lists (unhashable): that process alone
+    raises when its copies start, as any bug of one process might."""
 
     def _info(self):
         info = super()._info()
