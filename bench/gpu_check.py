@@ -620,8 +620,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error(f"--steps must be at least 1, got {options.steps}")
     if options.timeout is not None and options.timeout < 1:
         parser.error(f"--timeout must be at least 1 second, got {options.timeout}")
-    if options.update is not None and not options.update.is_file():
-        parser.error(f"--update {options.update}: no such results file")
+    options.earlier = None
+    if options.update is not None:  # read before the checks run, so that a bad file costs no GPU time
+        if not options.update.is_file():
+            parser.error(f"--update {options.update}: no such results file")
+        try:
+            options.earlier = json.loads(options.update.read_text())
+        except json.JSONDecodeError as exc:
+            parser.error(f"--update {options.update}: not JSON ({exc})")
+        if not isinstance(options.earlier, dict) or not {"checks", "seconds"} <= options.earlier.keys():
+            parser.error(f"--update {options.update}: not a results.json of bench/gpu_check.py (no 'checks' and 'seconds')")
     return options
 
 
@@ -657,8 +665,8 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
         results = run_checks(selected, options, probes, log)
     report = {"date": time.strftime("%Y-%m-%d"), "seconds": time.perf_counter() - started, "machine": machine_facts(),
               "checks": results, "notes": options.note}
-    if options.update is not None:
-        earlier = json.loads(options.update.read_text())
+    if options.earlier is not None:
+        earlier = options.earlier
         report["notes"] = earlier.get("notes", []) + options.note
         rerun = {r["name"] for r in results}
         report["checks"] = [r for r in earlier["checks"] if r["name"] not in rerun] + results

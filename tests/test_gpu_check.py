@@ -106,9 +106,14 @@ def test_update_keeps_the_earlier_checks_that_are_not_run_again(tmp_path):
         (["--timeout", "0"], "--timeout must be at least 1 second, got 0"),
         (["--only", "train_everything"], "invalid choice: 'train_everything'"),
         (["--update", "/nonexistent/results.json"], "--update /nonexistent/results.json: no such results file"),
+        (["--update", "{not_json}"], ": not JSON ("),
+        (["--update", "{wrong_keys}"], ": not a results.json of bench/gpu_check.py (no 'checks' and 'seconds')"),
     ],
 )
-def test_bad_arguments_are_refused_with_a_message(argv, message, capsys):
+def test_bad_arguments_are_refused_with_a_message(argv, message, capsys, tmp_path):
+    (tmp_path / "not_json").write_text("{checks: ")
+    (tmp_path / "wrong_keys").write_text('{"date": "2026-11-22"}')
+    argv = [argument.format(not_json=tmp_path / "not_json", wrong_keys=tmp_path / "wrong_keys") for argument in argv]
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
     assert exit_info.value.code == 2
