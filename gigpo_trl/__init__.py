@@ -9,13 +9,14 @@ from typing import Any
 from gigpo_trl.advantages import GiGPOAdvantages, StepGroupStats, compute_gigpo_advantages
 from gigpo_trl.env_checker import EnvCheckError, check_env
 from gigpo_trl.env_pool import EnvPool, Task
-from gigpo_trl.envs import make_env, register_env, registered_envs
+from gigpo_trl.envs import fold_seeds, make_env, register_env, registered_envs
 from gigpo_trl.models import EMBEDDED_MODEL
 
 __version__ = "0.1.0"
 __all__ = [
     "EMBEDDED_MODEL", "EnvCheckError", "EnvPool", "GiGPOAdvantages", "GiGPOConfig", "GiGPOTrainer", "StepGroupStats",
-    "Task", "check_env", "compute_gigpo_advantages", "make_env", "register_env", "registered_envs", "task_dataset",
+    "Task", "check_env", "compute_gigpo_advantages", "fold_seeds", "make_env", "register_env", "registered_envs",
+    "task_dataset",
 ]
 
 _LAZY = {"GiGPOConfig": "gigpo_trl.config", "GiGPOTrainer": "gigpo_trl.trainer", "task_dataset": "gigpo_trl.trainer"}

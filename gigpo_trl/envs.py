@@ -14,6 +14,11 @@ whose observations and actions are strings plugs in unchanged:
     `admissible_actions` list of str, the actions that make sense now
     `won`                bool, the task is solved
     `task`               str, the goal text
+    `task_type`          str, the kind of task (evaluation reports success per type)
+
+Tasks are seeds. An environment may define folds, `env.fold_seeds(fold) -> list[int]` for `fold` in
+"train", "dev", "test" (TextWorldExpress uses its engine's own folds); for one that does not, `fold_seeds` below
+uses disjoint seed ranges starting at `DEFAULT_FOLD_STARTS`.
 
 `check_env` (in `gigpo_trl.env_checker`) tells a plug-in author precisely what does not fit.
 """
@@ -29,6 +34,7 @@ INFO_ANCHOR = "anchor"
 INFO_ADMISSIBLE_ACTIONS = "admissible_actions"
 INFO_WON = "won"
 INFO_TASK = "task"
+INFO_TASK_TYPE = "task_type"
 
 
 @runtime_checkable
@@ -43,6 +49,10 @@ class TextEnv(Protocol):
 
 
 EnvFactory = Callable[..., TextEnv]
+
+FOLDS = ("train", "dev", "test")
+# First seed of each fold of an environment without `fold_seeds`: a million tasks per fold.
+DEFAULT_FOLD_STARTS = {"train": 0, "dev": 1_000_000, "test": 2_000_000}
 
 
 def anchor_of(observation: str, info: Mapping[str, Any]) -> Hashable:
@@ -67,6 +77,8 @@ _REGISTRY: dict[str, EnvFactory | str] = {
     "rooms": "gigpo_trl.environments.rooms:RoomsEnv",
     "sokoban": "gigpo_trl.environments.sokoban:SokobanEnv",
     "textworld": "gigpo_trl.environments.textworld_games:TextWorldEnv",
+    "textworld_express": "gigpo_trl.environments.textworld_express_games:TextWorldExpressEnv",
+    "openenv": "gigpo_trl.environments.openenv_adapter:OpenEnvAdapter",
 }
 
 
@@ -92,11 +104,11 @@ def registered_envs() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def make_env(env: str | EnvFactory, **kwargs: Any) -> TextEnv:
+def make_env(env: str | EnvFactory, /, **kwargs: Any) -> TextEnv:
     """Create an environment.
 
     Args:
-        env: a name given to `register_env` (built in: "textworld", "sokoban"), an id registered with
+        env: a name given to `register_env` (built in: see `registered_envs()`), an id registered with
             `gymnasium`, or any callable returning an environment.
         **kwargs: passed to the factory (or to `gymnasium.make`).
     """
@@ -117,7 +129,29 @@ def make_env(env: str | EnvFactory, **kwargs: Any) -> TextEnv:
     )
 
 
-def env_factory(env: str | EnvFactory, **kwargs: Any) -> Callable[[], TextEnv]:
+def fold_seeds(env: str | EnvFactory, fold: str, count: int, /, **kwargs: Any) -> list[int]:
+    """The first `count` task seeds of `fold` ("train", "dev" or "test") of `make_env(env, **kwargs)`: the
+    environment's own `fold_seeds(fold)` when it has one, else `DEFAULT_FOLD_STARTS[fold]`, ... . The same
+    arguments give the same seeds on every machine and process, so a dev or test panel is fixed by its fold and
+    count; folds never share a seed."""
+    if fold not in FOLDS:
+        raise ValueError(f"fold must be one of {FOLDS}, got {fold!r}")
+    if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+        raise ValueError(f"count must be an int >= 0, got {count!r}")
+    instance = make_env(env, **kwargs)
+    try:
+        own_seeds = getattr(instance, "fold_seeds", None)
+        if own_seeds is None:
+            return list(range(DEFAULT_FOLD_STARTS[fold], DEFAULT_FOLD_STARTS[fold] + count))
+        seeds = list(own_seeds(fold))
+    finally:
+        instance.close()
+    if count > len(seeds):
+        raise ValueError(f"the {fold} fold of {env!r} has {len(seeds)} tasks, fewer than the {count} asked for")
+    return seeds[:count]
+
+
+def env_factory(env: str | EnvFactory, /, **kwargs: Any) -> Callable[[], TextEnv]:
     """A zero-argument factory for `make_env(env, **kwargs)`, e.g. for `EnvPool`."""
     return functools.partial(make_env, env, **kwargs)
 

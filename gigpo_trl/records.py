@@ -4,6 +4,8 @@
         {"step": int, "mode": "train" | "eval", "rollout": int (count per mode), "metrics": {name: float},
          "step_group_sizes": {size: number of step groups of that size},
          "advantage_bins": [edges], "episode_advantage_counts": [...], "step_advantage_counts": [...]}
+    OUTPUT_DIR/gigpo/evaluations.jsonl           one JSON object per evaluation (all its rollouts, each task once):
+        {"step": int, "metrics": {"env/success_rate": float, "env/success_rate/<task type>": float, ...}}
     OUTPUT_DIR/gigpo/trajectories/{mode}-{rollout:05d}.json   sample episodes of that rollout:
         [{"group", "trajectory", "seed", "length", "return", "won", "truncated", "env_error",
           "steps": [{"step", "observation", "completion", "action", "valid", "reward",
@@ -79,6 +81,20 @@ def write_records(output_dir: str | Path, record: dict[str, Any], episodes: list
     staging = path.with_suffix(".json.partial")
     staging.write_text(json.dumps(episodes))
     staging.replace(path)  # atomic: a report drawn during training never reads half a file
+
+
+def write_evaluation(output_dir: str | Path, step: int, metrics: dict[str, float]) -> None:
+    """Append the record of one evaluation (`GiGPOTrainer.evaluate`) at training step `step`."""
+    directory = Path(output_dir) / RECORDS_DIR
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / "evaluations.jsonl", "a") as file:
+        file.write(json.dumps({"step": step, "metrics": metrics}) + "\n")
+
+
+def read_evaluations(output_dir: str | Path) -> list[dict[str, Any]]:
+    """The evaluation records of a run, in order (none when it was never evaluated)."""
+    path = Path(output_dir) / RECORDS_DIR / "evaluations.jsonl"
+    return _complete_records(path) if path.is_file() else []
 
 
 def count_rollouts(output_dir: str | Path) -> dict[str, int]:

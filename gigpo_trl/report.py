@@ -21,7 +21,7 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from gigpo_trl.records import RECORDS_DIR, read_iterations, read_trajectories
+from gigpo_trl.records import RECORDS_DIR, read_evaluations, read_iterations, read_trajectories
 
 REPORT_DIR = "report"
 # Sample episodes can be long (8 episodes x max_env_steps steps per rollout): the page shows those of
@@ -35,6 +35,9 @@ PLOT_CAPTIONS = {
     "step_groups.png": "Step groups: the states that several copies of a task reached, whose steps GiGPO compares.",
     "advantages.png": "Distributions of the episode advantage A_E and of the step advantage A_S over step samples.",
 }
+# Drawn when the run was evaluated (GiGPOTrainer.evaluate).
+PANEL_CAPTION = ("panel.png", "Held-out success rate of every evaluation, each task counted once: overall and per task "
+                 "type (info[\"task_type\"]).")
 
 # The metrics of the table at the top of the page, with what they mean.
 KEY_METRICS = {
@@ -81,8 +84,14 @@ def write_report(output_dir: str | Path, max_rollouts: int = DEFAULT_ROLLOUTS_SH
     _plot_outcomes(train, evaluation).savefig(report_dir / "outcomes.png", dpi=100)
     _plot_step_groups(train, evaluation).savefig(report_dir / "step_groups.png", dpi=100)
     _plot_advantages(train, evaluation).savefig(report_dir / "advantages.png", dpi=100)
+    captions = dict(PLOT_CAPTIONS)
+    evaluations = read_evaluations(output_dir)
+    if evaluations:
+        _plot_panel(evaluations).savefig(report_dir / PANEL_CAPTION[0], dpi=100)
+        captions[PANEL_CAPTION[0]] = PANEL_CAPTION[1]
 
-    page = _page(Path(output_dir), records, _trajectory_viewer(records, read_trajectories(output_dir), max_rollouts))
+    page = _page(Path(output_dir), records, _trajectory_viewer(records, read_trajectories(output_dir), max_rollouts),
+                 captions)
     (report_dir / "index.html").write_text(page, encoding="utf-8")
     return report_dir
 
@@ -156,6 +165,28 @@ def _plot_advantages(train: list[dict[str, Any]], evaluation: list[dict[str, Any
     return figure
 
 
+def _plot_panel(evaluations: list[dict[str, Any]]) -> Figure:
+    """Held-out success against the training step: all tasks, and each task type."""
+    figure = Figure(figsize=(10, 4.2), layout="constrained")
+    axes = figure.subplots()
+    steps = [record["step"] for record in evaluations]
+    names = sorted({name for record in evaluations for name in record["metrics"] if name.startswith("env/success_rate")})
+    for name in names:
+        label = "all tasks" if name == "env/success_rate" else name.removeprefix("env/success_rate/")
+        style = {"linewidth": 3, "color": "black"} if name == "env/success_rate" else {"linestyle": "--"}
+        axes.plot(steps, [record["metrics"].get(name, np.nan) for record in evaluations], marker="s", label=label,
+                  **style)
+    tasks = int(evaluations[-1]["metrics"].get("env/panel_tasks", 0))
+    axes.set(title=f"Held-out success ({tasks} tasks)", xlabel=STEP_AXIS_LABEL, ylabel="share of episodes won",
+             ylim=(-0.05, 1.05))
+    if min(steps) == max(steps):
+        axes.set_xlim(steps[0] - 1, steps[0] + 1)
+    axes.xaxis.set_major_locator(MaxNLocator(integer=True))
+    axes.grid(alpha=0.3)
+    axes.legend()
+    return figure
+
+
 def _plot_metric(axes: Axes, train: list[dict[str, Any]], evaluation: list[dict[str, Any]], metric: str) -> None:
     """One metric against the training step: training rollouts as a line, evaluations as hollow squares
     (a training point at the same step stays visible inside)."""
@@ -190,12 +221,12 @@ def _first_and_last(train: list[dict[str, Any]], evaluation: list[dict[str, Any]
 # ------------------------------------------------------------------------------------------
 
 
-def _page(output_dir: Path, records: list[dict[str, Any]], viewer: str) -> str:
+def _page(output_dir: Path, records: list[dict[str, Any]], viewer: str, captions: dict[str, str]) -> str:
     counts = {mode: sum(record["mode"] == mode for record in records) for mode in MODE_NAMES}
     steps = [record["step"] for record in records]
     figures = "\n".join(
         f'<figure><img src="{name}" alt="{_escape(caption)}"><figcaption>{_escape(caption)}</figcaption></figure>'
-        for name, caption in PLOT_CAPTIONS.items()
+        for name, caption in captions.items()
     )
     return f"""<!DOCTYPE html>
 <html lang="en">

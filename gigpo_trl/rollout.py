@@ -12,11 +12,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from tqdm.auto import tqdm
 
 from gigpo_trl.env_pool import INFO_ENV_ERROR, EnvOutput, EnvPool, Task
-from gigpo_trl.envs import INFO_ADMISSIBLE_ACTIONS, INFO_TASK, INFO_WON
+from gigpo_trl.envs import INFO_ADMISSIBLE_ACTIONS, INFO_TASK, INFO_TASK_TYPE, INFO_WON
 from gigpo_trl.parsing import parse_action
 from gigpo_trl.prompts import PromptTemplate, build_messages
 
@@ -62,6 +63,8 @@ class Episode:
     group: int
     trajectory: int
     seed: int | None
+    options: dict[str, Any] | None = None  # the task's reset options
+    task_type: str | None = None  # the environment's info["task_type"] at reset, if it gives one
     length: int = 0
     episode_return: float = 0.0
     won: bool = False
@@ -114,7 +117,11 @@ def collect_rollout(
     started = time.perf_counter()
     current = pool.reset(tasks)
     rollout.env_seconds += time.perf_counter() - started
-    episodes = [Episode(pool.group_of(i), i, tasks[pool.group_of(i)].seed) for i in range(pool.num_envs)]
+    episodes = [
+        Episode(pool.group_of(i), i, tasks[pool.group_of(i)].seed, tasks[pool.group_of(i)].options,
+                current[i].info.get(INFO_TASK_TYPE))
+        for i in range(pool.num_envs)
+    ]
     for episode, output in zip(episodes, current):
         _end_if_done(episode, output)
     histories: list[list[tuple[str, str]]] = [[] for _ in range(pool.num_envs)]

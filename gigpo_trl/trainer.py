@@ -10,6 +10,7 @@ import warnings
 from collections import defaultdict, deque
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -27,9 +28,9 @@ from gigpo_trl.env_pool import EnvPool, Task
 from gigpo_trl.envs import TextEnv, env_factory
 from gigpo_trl.models import resolve_model
 from gigpo_trl.prompts import PromptTemplate, load_template, template_for
-from gigpo_trl.records import count_rollouts, episode_records, iteration_record, write_records
+from gigpo_trl.records import count_rollouts, episode_records, iteration_record, write_evaluation, write_records
 from gigpo_trl.report import write_report
-from gigpo_trl.rollout import DUMMY_PROMPT, Completion, Messages, Rollout, collect_rollout
+from gigpo_trl.rollout import DUMMY_PROMPT, Completion, Episode, Messages, Rollout, collect_rollout
 
 # Above this share of singleton step groups, step advantages are almost all 0: GiGPO ~ GRPO.
 SINGLETON_WARNING_SHARE = 0.9
@@ -135,6 +136,7 @@ class GiGPOTrainer(GRPOTrainer):
         self._warned_singletons = False
         self._rollouts_recorded = count_rollouts(args.output_dir)
         self.last_rollout: Rollout | None = None  # the latest rollout of this process (trajectories, for reports)
+        self._eval_episodes: list[PanelEpisode] = []  # this process's evaluation episodes since the last log
         self.add_callback(ReportCallback())
         # TRL keeps the completion logs of the latest rollout: one entry per trajectory there, up to
         # max_env_steps step samples per trajectory here.
@@ -174,6 +176,8 @@ class GiGPOTrainer(GRPOTrainer):
             )
         self.last_rollout = rollout
         rollout_seconds = time.perf_counter() - started
+        if mode == "eval":
+            self._eval_episodes += [PanelEpisode.of(episode, group_size) for episode in rollout.episodes]
 
         # 2. GiGPO advantages over this process's groups (groups never cross processes).
         started = time.perf_counter()
@@ -410,6 +414,18 @@ class GiGPOTrainer(GRPOTrainer):
                 self._metrics[mode][key][-1] = value
         return loss
 
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """GRPOTrainer's log; an evaluation's episode metrics are first recomputed over its distinct tasks."""
+        if not self.model.training:
+            episodes = gather_object(self._eval_episodes)
+            self._eval_episodes = []
+            metrics = panel_metrics(episodes)
+            for name, value in metrics.items():
+                self._metrics["eval"][name] = [value]
+            if self.accelerator.is_main_process and metrics:
+                write_evaluation(self.args.output_dir, self.state.global_step, metrics)
+        super().log(logs, start_time)
+
     def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
         started = time.perf_counter()
         try:
@@ -638,6 +654,49 @@ def padding_free_row_metrics(logged: dict[str, float], real: int, total: int, im
         if "clip_ratio/low_min" in logged:  # per-row values are 0 or 1: the minimum is 1 only if every real row is 1
             corrected["clip_ratio/low_min"] = 1.0 if corrected["clip_ratio/low_mean"] >= 1.0 - 1e-9 else 0.0
     return corrected
+
+
+@dataclass(frozen=True)
+class PanelEpisode:
+    """What evaluation keeps of an episode: its task, which of the task's copies it was, and its outcome."""
+
+    task: str  # the seed and options, as JSON
+    copy: int
+    task_type: str | None
+    won: bool
+    episode_return: float
+    length: int
+
+    @classmethod
+    def of(cls, episode: Episode, group_size: int) -> PanelEpisode:
+        task = json.dumps([episode.seed, episode.options], sort_keys=True)
+        return cls(task, episode.trajectory % group_size, episode.task_type, episode.won, episode.episode_return,
+                   episode.length)
+
+
+def panel_metrics(episodes: Sequence[PanelEpisode]) -> dict[str, float]:
+    """Success rate, mean return and mean episode length over the distinct (task, copy) pairs of an evaluation,
+    overall and per task type (`env/success_rate/<type>`), and the number of distinct tasks (`env/panel_tasks`).
+
+    To give every process whole batches, the evaluation dataloader plays some tasks twice when the task count is
+    not a multiple of the tasks per step of all processes; the first play of each (task, copy) counts, the others
+    do not, so the figures are those of the panel itself whatever the number of processes and the batch sizes.
+    """
+    distinct: dict[tuple[str, int], PanelEpisode] = {}
+    for episode in episodes:
+        distinct.setdefault((episode.task, episode.copy), episode)
+    if not distinct:
+        return {}
+    kept = list(distinct.values())
+    metrics = {
+        "env/success_rate": float(np.mean([e.won for e in kept])),
+        "env/return_mean": float(np.mean([e.episode_return for e in kept])),
+        "env/episode_length_mean": float(np.mean([e.length for e in kept])),
+        "env/panel_tasks": float(len({e.task for e in kept})),
+    }
+    for task_type in sorted({e.task_type for e in kept if e.task_type is not None}):
+        metrics[f"env/success_rate/{task_type}"] = float(np.mean([e.won for e in kept if e.task_type == task_type]))
+    return metrics
 
 
 def _bessel_std(total: float, squares: float, count: float) -> float:

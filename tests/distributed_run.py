@@ -3,6 +3,9 @@ processes' episodes very uneven; the main process writes the process count and t
 
     python -m torch.distributed.run --nproc_per_node 2 tests/distributed_run.py MODEL_DIR OUTPUT_DIR [ENV_NAME]
 
+After training it evaluates a panel of 3 corridors of lengths 3, 20 and 3 (20 cannot be won in max_env_steps),
+two tasks per process and batch: the evaluation dataloader plays a task twice to fill the batches.
+
 ENV_NAME "bad_anchor_on_rank_1" makes the process of rank 1 alone raise in its first rollout.
 """
 
@@ -29,18 +32,22 @@ def main(model_dir: str, output_dir: str, env_name: str = "corridor") -> None:
         gradient_accumulation_steps=1, per_device_train_batch_size=TRAJECTORIES // _world_size(),
         max_steps=2, max_env_steps=15, max_completion_length=8, learning_rate=1e-3, logging_steps=1,
         report_to=[], save_strategy="no", gradient_checkpointing=False, shuffle_dataset=False, seed=0,
+        per_device_eval_batch_size=4,
     )
     # In each rollout the first two tasks (process 0 with 2 processes) are 3-cell corridors, the last two
     # (process 1) 12-cell ones: 2-3 steps against 11-12 steps.
     lengths = [3, 3, 12, 12] * 2
     dataset = task_dataset(range(len(lengths)), options=[{"length": n} for n in lengths])
-    trainer = ScriptedTrainer(model_dir, args=config, train_dataset=dataset)
+    panel = task_dataset([100, 101, 102], options=[{"length": n} for n in (3, 20, 3)])
+    trainer = ScriptedTrainer(model_dir, args=config, train_dataset=dataset, eval_dataset=panel)
     trainer.train()
+    evaluation = trainer.evaluate()
     trainer.close_environments()
     if trainer.accelerator.is_main_process:
         logs = [entry for entry in trainer.state.log_history if "env/success_rate" in entry]
         processes = trainer.accelerator.num_processes
-        Path(output_dir, "metrics.json").write_text(json.dumps({"processes": processes, "logs": logs}))
+        Path(output_dir, "metrics.json").write_text(json.dumps({"processes": processes, "logs": logs,
+                                                                "evaluation": evaluation}))
 
 
 def _world_size() -> int:

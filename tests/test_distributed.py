@@ -25,19 +25,19 @@ def torchrun(num_processes: int, *arguments: str, timeout: float = 400) -> subpr
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=SCRIPT.parent)
 
 
-def launch(num_processes: int, model_dir: str, output_dir: Path) -> list[dict]:
+def launch(num_processes: int, model_dir: str, output_dir: Path) -> tuple[list[dict], dict]:
     result = torchrun(num_processes, model_dir, str(output_dir))
     assert result.returncode == 0, result.stderr[-4000:]
     written = json.loads((output_dir / "metrics.json").read_text())
     assert written["processes"] == num_processes
-    return written["logs"]
+    return written["logs"], written["evaluation"]
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_two_processes_with_uneven_episodes_finish_and_match_one_process(tmp_path, tiny_model_path):
-    two = launch(2, tiny_model_path, tmp_path / "two")
-    one = launch(1, tiny_model_path, tmp_path / "one")
+    two, two_evaluation = launch(2, tiny_model_path, tmp_path / "two")
+    one, one_evaluation = launch(1, tiny_model_path, tmp_path / "one")
 
     assert len(two) == len(one) == 2
     for step_two, step_one in zip(two, one):
@@ -47,6 +47,14 @@ def test_two_processes_with_uneven_episodes_finish_and_match_one_process(tmp_pat
             assert step_two[name] == pytest.approx(step_one[name], rel=1e-6), name
     # The run really was uneven: half the episodes took 2-3 steps, half 11-12.
     assert two[0]["env/episode_length_mean"] == pytest.approx((2 + 3 + 2 + 3 + 11 + 12 + 11 + 12) / 8)
+
+    # The evaluation panel (corridors of 3, 20 and 3 cells; 20 cannot be won) counts each task once: averaging the
+    # batches would give 3/4 on either process count (a 1-task last batch on one process, a task played twice on two).
+    for evaluation in (one_evaluation, two_evaluation):
+        assert evaluation["eval_env/panel_tasks"] == 3
+        assert evaluation["eval_env/success_rate"] == pytest.approx(2 / 3)
+        assert evaluation["eval_env/success_rate/corridor-3"] == 1.0
+        assert evaluation["eval_env/success_rate/corridor-20"] == 0.0
 
 
 @pytest.mark.slow

@@ -8,7 +8,7 @@ from toy_envs import Corridor, GuessTheNumber, UnseededCorridor
 
 from gigpo_trl.env_checker import EnvCheckError, check_env
 from gigpo_trl.env_pool import EnvPool, Task
-from gigpo_trl.envs import anchor_of, env_factory, make_env, register_env, registered_envs
+from gigpo_trl.envs import anchor_of, env_factory, fold_seeds, make_env, register_env, registered_envs
 
 gymnasium.register(id="GuessTheNumber-v0", entry_point=GuessTheNumber)
 
@@ -41,6 +41,29 @@ def test_registry_errors_name_the_problem():
         register_env("test-bad", 42)
     with pytest.raises(ValueError, match=r"unknown environment 'no-such-env'; registered: \[.*'sokoban'"):
         make_env("no-such-env")
+
+
+class CorridorWithFolds(Corridor):
+    """Folds of its own: odd seeds train, even seeds dev and test."""
+
+    def fold_seeds(self, fold):
+        return {"train": [1, 3, 5], "dev": [2, 4], "test": [6]}[fold]
+
+
+def test_fold_seeds_are_the_environment_s_own_folds_or_disjoint_ranges():
+    assert fold_seeds(Corridor, "train", 3) == [0, 1, 2]
+    assert fold_seeds(Corridor, "dev", 2) == [1_000_000, 1_000_001]
+    assert fold_seeds("sokoban", "test", 2) == [2_000_000, 2_000_001]
+    assert fold_seeds(CorridorWithFolds, "dev", 2) == [2, 4]
+    with pytest.raises(ValueError, match="the test fold of .* has 1 tasks, fewer than the 2 asked for"):
+        fold_seeds(CorridorWithFolds, "test", 2)
+    with pytest.raises(ValueError, match="fold must be one of"):
+        fold_seeds(Corridor, "validation", 2)
+
+
+def test_an_environment_argument_named_env_reaches_the_factory():
+    register_env("takes-env", lambda env: Corridor(), overwrite=True)
+    assert make_env("takes-env", env="anything").reset(seed=0)[1]["anchor"] == (3, 0)
 
 
 def test_anchor_defaults_to_the_observation():

@@ -18,13 +18,13 @@ from scripted_policy import ScriptedTrainer
 from toy_envs import Corridor
 
 from gigpo_trl.config import GiGPOConfig
-from gigpo_trl.records import read_iterations, read_trajectories
+from gigpo_trl.records import read_evaluations, read_iterations, read_trajectories
 from gigpo_trl.report import write_report
 from gigpo_trl.trainer import task_dataset
 
 pytestmark = pytest.mark.timeout(120)
 
-PLOTS = ["advantages.png", "outcomes.png", "step_groups.png"]
+PLOTS = ["advantages.png", "outcomes.png", "panel.png", "step_groups.png"]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
@@ -117,6 +117,22 @@ def test_the_run_recorded_what_the_report_needs(run_dir):
     modes = [record["mode"] for record in read_iterations(run_dir)]
     assert modes == ["train", "train", "eval", "train", "train", "eval"]
     assert sorted(read_trajectories(run_dir)) == ["eval-00000", "eval-00001"] + [f"train-{k:05d}" for k in range(4)]
+
+
+def test_each_evaluation_left_one_record_of_its_distinct_tasks(run_dir):
+    evaluations = read_evaluations(run_dir)
+    eval_rollouts = [record for record in read_iterations(run_dir) if record["mode"] == "eval"]
+    assert [record["step"] for record in evaluations] == [2, 4]
+    for evaluation, rollout in zip(evaluations, eval_rollouts):  # one task, one batch: the same figures
+        assert evaluation["metrics"]["env/panel_tasks"] == 1
+        for name in ("env/success_rate", "env/return_mean", "env/episode_length_mean"):
+            assert evaluation["metrics"][name] == pytest.approx(rollout["metrics"][name])
+
+
+def test_a_run_never_evaluated_has_no_panel_plot(run_dir, tmp_path):
+    copy = copy_of_run(run_dir, tmp_path)
+    (copy / "gigpo" / "evaluations.jsonl").unlink()
+    assert not (write_report(copy) / "panel.png").exists()
 
 
 def test_the_report_folder_holds_the_plots_and_the_page(run_dir, report_dir):

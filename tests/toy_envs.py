@@ -12,7 +12,8 @@ import gymnasium
 
 
 class Corridor:
-    """Cells 0..L-1; start at 0, win at L-1. The seed sets L = 3 + seed % 4 (options: {"length": L})."""
+    """Cells 0..L-1; start at 0, win at L-1. The seed sets L = 3 + seed % 4 (options: {"length": L}).
+    The task type is the length: "corridor-L"."""
 
     def reset(self, *, seed=None, options=None):
         self.length = (options or {}).get("length", 3 + (seed or 0) % 4)
@@ -35,7 +36,8 @@ class Corridor:
 
     def _info(self):
         return {"anchor": (self.length, self.position), "admissible_actions": ["left", "right"],
-                "won": self.position == self.length - 1, "task": "Reach the last cell."}
+                "won": self.position == self.length - 1, "task": "Reach the last cell.",
+                "task_type": f"corridor-{self.length}"}
 
 
 class FragileCorridor(Corridor):
