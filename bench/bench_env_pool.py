@@ -1,5 +1,6 @@
 """Benchmark of EnvPool: 128 environments stepped in worker processes against the same 128 stepped
-one after the other in this process, side by side, for TextWorld cooking games and Sokoban.
+one after the other in this process, side by side, for TextWorld cooking games, TextWorldExpress cookingworld
+(its engine's default size: 11 rooms, 3 ingredients; one JVM per environment) and Sokoban.
 
     python bench/bench_env_pool.py            # 16 tasks x 8 copies, 20 turns each
     python bench/bench_env_pool.py --turns 5  # quicker
@@ -19,6 +20,7 @@ from gigpo_trl.envs import env_factory
 
 ENVIRONMENTS = {
     "textworld cooking": ("textworld", {"challenge": "cooking"}),
+    "twx cookingworld": ("textworld_express", {"game": "cookingworld"}),
     "sokoban 6x6": ("sokoban", {}),
 }
 
@@ -63,7 +65,7 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--turns", type=int, default=20)
     args = parser.parse_args()
-    tasks = [Task(seed=seed) for seed in range(args.tasks)]
+    tasks = [Task(seed=seed) for seed in range(args.tasks)]  # seeds of every environment's train fold
     num_envs = args.tasks * args.group_size
     print(f"{num_envs} environments ({args.tasks} tasks x {args.group_size} copies), up to {args.turns} turns")
     for label, (name, kwargs) in ENVIRONMENTS.items():

@@ -28,20 +28,22 @@ from dataclasses import dataclass, field
 
 from trl import ModelConfig, TrlParser, get_peft_config
 
-from gigpo_trl import EMBEDDED_MODEL, GiGPOConfig, GiGPOTrainer, task_dataset
+from gigpo_trl import EMBEDDED_MODEL, GiGPOConfig, GiGPOTrainer, fold_seeds, task_dataset
 from gigpo_trl.report import write_report
 
 
 @dataclass
 class TaskArguments:
-    """Which tasks to train and evaluate on: seeds of the environment (`env_name`, `env_kwargs`)."""
+    """Which tasks to train and evaluate on: seeds of the folds of the environment (`env_name`, `env_kwargs`),
+    see `gigpo_trl.fold_seeds`. The held-out panel is fixed by `eval_fold` and `num_eval_tasks` alone, so every run
+    is evaluated on the same tasks whatever its seed, batch sizes or number of processes."""
 
-    num_train_tasks: int = field(default=1000, metadata={"help": "Training tasks: seeds train_seed_start, ..."})
-    train_seed_start: int = field(default=0, metadata={"help": "First training seed."})
+    num_train_tasks: int = field(default=1000, metadata={"help": "Training tasks: the first N seeds of the train fold."})
     num_eval_tasks: int = field(
-        default=0, metadata={"help": "Held-out tasks evaluated before and after training (0: no evaluation)."}
+        default=0, metadata={"help": "Held-out tasks evaluated before and after training: the first N seeds of "
+                             "eval_fold (0: no evaluation)."}
     )
-    eval_seed_start: int = field(default=1_000_000, metadata={"help": "First held-out seed (disjoint from training)."})
+    eval_fold: str = field(default="dev", metadata={"help": "Fold of the held-out tasks: 'dev' or 'test'."})
 
 
 def main(task_args: TaskArguments, training_args: GiGPOConfig, model_args: ModelConfig) -> None:
@@ -53,10 +55,12 @@ def main(task_args: TaskArguments, training_args: GiGPOConfig, model_args: Model
         "dtype": model_args.dtype,
         **(training_args.model_init_kwargs or {}),
     }
-    train_tasks = task_dataset(range(task_args.train_seed_start, task_args.train_seed_start + task_args.num_train_tasks))
+    env_kwargs = training_args.env_kwargs
+    train_tasks = task_dataset(fold_seeds(training_args.env_name, "train", task_args.num_train_tasks, **env_kwargs))
     eval_tasks = None
     if task_args.num_eval_tasks:
-        eval_tasks = task_dataset(range(task_args.eval_seed_start, task_args.eval_seed_start + task_args.num_eval_tasks))
+        eval_seeds = fold_seeds(training_args.env_name, task_args.eval_fold, task_args.num_eval_tasks, **env_kwargs)
+        eval_tasks = task_dataset(eval_seeds)
     trainer = GiGPOTrainer(
         model, args=training_args, train_dataset=train_tasks, eval_dataset=eval_tasks,
         peft_config=get_peft_config(model_args),
