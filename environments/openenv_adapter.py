@@ -61,8 +61,11 @@ import typing
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
-from openenv.core import Action, EnvClient, Environment, GenericEnvClient, Observation, SyncEnvClient
-from openenv.core.client_types import StepResult
+try:
+    from openenv.core import Action, EnvClient, Environment, GenericEnvClient, Observation, SyncEnvClient
+    from openenv.core.client_types import StepResult
+except ImportError as exc:
+    raise ImportError("the OpenEnv adapter needs the openenv package: pip install 'gigpo-trl[openenv]'") from exc
 from pydantic import BaseModel, ValidationError
 
 from gigpo_trl.envs import INFO_ADMISSIBLE_ACTIONS, INFO_ANCHOR, INFO_TASK, INFO_WON, check_step_call

@@ -21,6 +21,7 @@ from pydantic import Field  # noqa: E402
 
 from gigpo_trl.env_checker import check_env  # noqa: E402
 from gigpo_trl.env_pool import EnvPool, GroupStartMismatchWarning, Task  # noqa: E402
+from gigpo_trl.envs import make_env  # noqa: E402
 from gigpo_trl.environments.openenv_adapter import (  # noqa: E402
     OpenEnvAdapter,
     action_from_text,
@@ -141,6 +142,11 @@ def test_in_process_corridor_is_played_to_a_win():
     assert steps[-1][4]["admissible_actions"] == [] and steps[-1][0].startswith("position: 6\n")
     with pytest.raises(RuntimeError, match="episode has ended"):
         env.step("left")
+
+
+def test_make_env_builds_the_adapter_by_name():
+    env = make_env("openenv", env=Corridor, max_steps=3)
+    assert isinstance(env, OpenEnvAdapter) and env.reset(seed=1)[1]["anchor"] == OpenEnvAdapter(Corridor).reset(seed=1)[1]["anchor"]
 
 
 def test_the_seed_reaches_openenv_reset_and_the_adapter_passes_check_env():

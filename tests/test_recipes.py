@@ -4,6 +4,7 @@ GiGPO config only in omega, and the script trains end to end on one and on two C
 from __future__ import annotations
 
 import importlib.util
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,7 @@ from trl import ModelConfig, TrlParser
 from gigpo_trl.config import GiGPOConfig
 from gigpo_trl.env_checker import check_env
 from gigpo_trl.envs import make_env, registered_envs
+from gigpo_trl.records import read_evaluations
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 CONFIGS = sorted((RECIPES / "configs").glob("*.yaml"))
@@ -63,8 +65,8 @@ def test_each_grpo_baseline_differs_from_its_gigpo_config_only_in_omega(baseline
     assert differing == {"step_advantage_weight", "output_dir"}
 
 
-def run_recipe(launcher: list[str], model_dir: str, output_dir: Path) -> subprocess.CompletedProcess:
-    command = [*launcher, str(RECIPES / "train_gigpo.py"), "--config", str(RECIPES / "configs" / "smoke_cpu.yaml"),
+def run_recipe(launcher: list[str], model_dir: str, output_dir: Path, config: str = "smoke_cpu.yaml") -> subprocess.CompletedProcess:
+    command = [*launcher, str(RECIPES / "train_gigpo.py"), "--config", str(RECIPES / "configs" / config),
                "--model_name_or_path", model_dir, "--output_dir", str(output_dir)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
@@ -78,6 +80,21 @@ def test_the_recipe_trains_evaluates_saves_and_reports(tmp_path, tiny_model_path
     assert "Held-out success rate (2 tasks):" in result.stdout
     assert (tmp_path / "model.safetensors").is_file()
     assert (tmp_path / "report" / "index.html").is_file()
+
+
+@pytest.mark.skipif(shutil.which("java") is None, reason="TextWorldExpress needs a Java runtime (java)")
+@pytest.mark.timeout(600)
+def test_the_recipe_trains_on_cookingworld_and_reports_held_out_success_per_task_type(tmp_path, tiny_model_path):
+    result = run_recipe([sys.executable], tiny_model_path, tmp_path, config="cookingworld_smoke_cpu.yaml")
+
+    assert "Held-out success rate (3 tasks):" in result.stdout
+    task_type = "cookingworld(includeDoors=0,numDistractorItems=0,numIngredients=1,numLocations=1)"
+    evaluations = read_evaluations(tmp_path)
+    assert [record["step"] for record in evaluations] == [0, 2]  # before and after training
+    for record in evaluations:
+        assert record["metrics"]["env/panel_tasks"] == 3
+        assert record["metrics"][f"env/success_rate/{task_type}"] == record["metrics"]["env/success_rate"]
+    assert (tmp_path / "report" / "panel.png").is_file()
 
 
 @pytest.mark.slow
