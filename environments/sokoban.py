@@ -113,7 +113,8 @@ class SokobanEnv:
     solvability is not checked.
 
     `info` on reset and step: `anchor` (the observation: the exact state), `admissible_actions`, `won`,
-    `task`, `num_boxes`, `boxes_on_target`; on step also `invalid_action`.
+    `task`, `task_type` (the room size and box count, e.g. "6x6, 1 box"), `num_boxes`, `boxes_on_target`; on
+    step also `invalid_action`.
     """
 
     def __init__(
@@ -221,6 +222,7 @@ class SokobanEnv:
             "admissible_actions": list(ACTIONS),
             "won": boxes_on_target == len(self._boxes),
             "task": TASK,
+            "task_type": f"{self._room.height}x{self._room.width}, {len(self._boxes)} box{'es' if len(self._boxes) > 1 else ''}",
             "num_boxes": len(self._boxes),
             "boxes_on_target": boxes_on_target,
         }

@@ -226,6 +226,12 @@ def test_info_carries_the_contract_keys() -> None:
     assert info["invalid_action"] is False
 
 
+def test_the_task_type_is_the_room_size_and_box_count() -> None:
+    env = SokobanEnv()
+    assert env.reset(seed=1)[1]["task_type"] == "6x6, 1 box"
+    assert env.reset(seed=1, options={"dim_room": (7, 8), "num_boxes": 2})[1]["task_type"] == "7x8, 2 boxes"
+
+
 def test_a_layout_round_trips_through_the_observation() -> None:
     env = SokobanEnv()
     observation, _ = env.reset(seed=11, options={"num_boxes": 2})
