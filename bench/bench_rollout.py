@@ -2,6 +2,7 @@
 
     python bench/bench_rollout.py                        # tiny local model on CPU (about 3 minutes)
     python bench/bench_rollout.py --model DIR_OR_HUB_ID  # any model (e.g. on a GPU)
+    python bench/bench_rollout.py --iterations recipes/configs/quickstart_cpu.yaml   # where an iteration's time goes
 
 1. Rollout overhead: the wall time of `collect_rollout` (G x N Sokoban environments, T turns, every
    answer forced to exactly L tokens) against ONE batched generation of the same number of tokens
@@ -9,7 +10,11 @@
    same TRL generation path. Target: at most 1.15x. Measured twice: with history K=0 (every turn's
    prompt is as long as the first: the cost of the multi-turn loop itself) and with the default
    K=2 (later prompts also carry two past steps, so each turn re-reads a longer prompt).
-2. Update memory: the peak memory of one training iteration of GiGPOTrainer against TRL's
+2. With `--iterations CONFIG`: instead, a few real training iterations of a recipe config (its model, by default
+   the embedded SmolLM2-135M-Instruct, its environment and batch sizes; no evaluation), and the share of each
+   iteration spent in generation, in the environments, in the rest of the rollout loop (prompts, parsing), in the
+   advantages and in the update, with the rollout's generated tokens per second.
+3. Update memory: the peak memory of one training iteration of GiGPOTrainer against TRL's
    GRPOTrainer on the same number of samples of the same lengths, each in a fresh process.
    On CUDA: `torch.cuda.max_memory_allocated`; on CPU: the growth of the process's peak resident
    memory (VmHWM, reset through /proc/self/clear_refs) over the iteration.
@@ -109,6 +114,51 @@ def bench_rollout(model: str, num_tasks: int, group_size: int, turns: int, token
     }
 
 
+# Fields of the recipes' YAML that belong to the recipe script or to the model, not to GiGPOConfig.
+RECIPE_ONLY_FIELDS = {"model_name_or_path", "num_train_tasks", "num_eval_tasks", "eval_fold", "dtype", "use_peft",
+                      "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules"}
+
+
+def bench_iterations(config_path: str, iterations: int, model: str | None = None) -> list[dict]:
+    """Train `iterations` iterations of a recipe config; prints and returns each one's timing and shares."""
+    import yaml
+
+    from gigpo_trl.config import GiGPOConfig
+    from gigpo_trl.envs import fold_seeds
+    from gigpo_trl.models import EMBEDDED_MODEL
+    from gigpo_trl.trainer import GiGPOTrainer, task_dataset
+
+    settings = yaml.safe_load(Path(config_path).read_text())
+    model = model or settings.get("model_name_or_path") or EMBEDDED_MODEL
+    fields = {key: value for key, value in settings.items() if key not in RECIPE_ONLY_FIELDS}
+    fields.update(output_dir=tempfile.mkdtemp(), max_steps=iterations + 1, eval_strategy="no", report_to=[],
+                  disable_tqdm=True, log_trajectories=0)
+    config = GiGPOConfig(**fields)
+    tasks = task_dataset(fold_seeds(config.env_name, "train", settings.get("num_train_tasks", 64), **config.env_kwargs))
+    trainer = GiGPOTrainer(model, args=config, train_dataset=tasks)
+    trainer.train()
+    trainer.close_environments()
+    logs = [entry for entry in trainer.state.log_history if "timing/rollout_s" in entry]
+    # The update of iteration k is logged with rollout k + 1: iteration k = its rollout, advantages and update.
+    rows = []
+    for this, following in zip(logs, logs[1:]):
+        parts = {
+            "generation": this["timing/generation_s"], "environments": this["timing/env_s"],
+            "rollout loop": this["timing/rollout_s"] - this["timing/generation_s"] - this["timing/env_s"],
+            "advantages": this["timing/advantages_s"], "update": following["timing/update_s"],
+        }
+        total = sum(parts.values())
+        rows.append({"seconds": total, "parts_s": parts, "step_samples": this["env/step_samples"],
+                     "generated_tokens_per_s": this["generation/tokens_per_s"]})
+    print(f"Iterations of {config_path} ({model}): {config.generation_batch_size} trajectories, "
+          f"{config.max_env_steps} steps at most, answers of at most {config.max_completion_length} tokens")
+    for k, row in enumerate(rows):
+        shares = "  ".join(f"{name} {seconds:6.1f} s ({seconds / row['seconds']:4.0%})" for name, seconds in row["parts_s"].items())
+        print(f"  iteration {k}: {row['seconds']:6.1f} s, {row['step_samples']:.0f} step samples, "
+              f"{row['generated_tokens_per_s']:.1f} generated tokens/s | {shares}")
+    return rows
+
+
 def update_peak_memory(trainer_kind: str, model: str, output_dir: str) -> dict:
     """One training iteration in this process; returns the peak memory it added (bytes) and the sample count."""
     import torch
@@ -194,9 +244,15 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=64, help="tokens per answer")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--iterations", metavar="CONFIG", help="time real training iterations of this recipe config")
+    parser.add_argument("--num-iterations", type=int, default=3,
+                        help="with --iterations: iterations timed (one more rollout is played to time the last update)")
     parser.add_argument("--memory-worker", choices=["grpo", "gigpo"], help=argparse.SUPPRESS)
     parser.add_argument("--output-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.iterations:
+        bench_iterations(args.iterations, args.num_iterations, args.model)
+        return
     if args.model is None:
         from gigpo_trl.models import build_tiny_model
 

@@ -1,6 +1,9 @@
-"""The learning diagnostics of bench/: the tabular policy gradient and the rooms labels they rely on."""
+"""The benchmarks of bench/: the tabular policy gradient and the rooms labels the learning diagnostics rely on, and the
+iteration timing of bench_rollout."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -74,3 +77,18 @@ def test_following_the_draught_label_reaches_the_treasure_by_the_shortest_path(s
             break
     assert reward == 1.0 and info["won"]
     assert steps == 6  # 4 rooms from the middle to the end, plus the 2 wrong steps to undo
+
+
+@pytest.mark.timeout(300)
+def test_iteration_timing_splits_each_iteration_into_its_parts(tiny_model_path):
+    from bench.bench_rollout import bench_iterations
+
+    smoke = Path(__file__).resolve().parent.parent / "recipes" / "configs" / "smoke_cpu.yaml"
+    rows = bench_iterations(str(smoke), 2, tiny_model_path)
+
+    assert len(rows) == 2
+    for row in rows:
+        assert set(row["parts_s"]) == {"generation", "environments", "rollout loop", "advantages", "update"}
+        assert all(seconds >= 0 for seconds in row["parts_s"].values()) and row["parts_s"]["update"] > 0
+        assert row["seconds"] == pytest.approx(sum(row["parts_s"].values()))
+        assert row["step_samples"] > 0 and row["generated_tokens_per_s"] > 0
