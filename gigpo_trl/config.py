@@ -79,8 +79,8 @@ class GiGPOConfig(GRPOConfig):
     # Environment and rollout
     env_name: str = field(
         default="sokoban",
-        metadata={"help": "Environment: a name registered with gigpo_trl.register_env ('textworld', 'sokoban', ...) "
-                  "or a gymnasium id."},
+        metadata={"help": "Environment: a name registered with gigpo_trl.register_env ('textworld', 'textworld_express', "
+                  "'sokoban', 'rooms', 'openenv', ...) or a gymnasium id."},
     )
     env_kwargs: dict[str, Any] | str | None = field(
         default=None,
