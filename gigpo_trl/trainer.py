@@ -543,7 +543,8 @@ class GiGPOTrainer(GRPOTrainer):
         if dropped and mode == "train":
             warnings.warn(f"max_step_samples_per_micro_batch: {int(dropped)} step samples were left out of this update "
                           "(drawn uniformly; logged as gigpo/subsampled_rows)", stacklevel=2)
-        if num_groups and singleton_share > SINGLETON_WARNING_SHARE and not self._warned_singletons:
+        # Evaluation plays num_generations_eval copies, often 1: its step groups say nothing about the anchors.
+        if mode == "train" and num_groups and singleton_share > SINGLETON_WARNING_SHARE and not self._warned_singletons:
             self._warned_singletons = True
             warnings.warn(
                 f"{singleton_share:.0%} of step groups are singletons: their step advantage is 0, so GiGPO is close to "

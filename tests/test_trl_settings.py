@@ -425,3 +425,40 @@ def test_loss_metrics_of_a_micro_batch_leave_its_padding_rows_out(tmp_path, tiny
     padding_only = {key: value[3:] if isinstance(value, torch.Tensor) and value.dim() else value for key, value in batch.items()}
     assert logged_metrics(padding_only) == {}
     trainer.close_environments()
+
+
+def test_the_singleton_warning_is_about_training_rollouts_not_single_copy_evaluations(tmp_path, tiny_model_path):
+    import warnings
+
+    from toy_envs import Corridor
+
+    class CountingCorridor(Corridor):
+        """The anchor is the step count: copies share their first state, then every step group is a singleton."""
+
+        def reset(self, *, seed=None, options=None):
+            self.moves = 0
+            return super().reset(seed=seed, options=options)
+
+        def step(self, action):
+            self.moves += 1
+            return super().step(action)
+
+        def _info(self):
+            return {**super()._info(), "anchor": ("start",) if self.moves == 0 else (id(self), self.moves)}
+
+    settings = dict(max_env_steps=30, env_processes=False, max_steps=1, per_device_eval_batch_size=2,
+                    num_generations_eval=1)
+    long_corridors = [{"length": 99}] * 4
+    evaluating = GiGPOTrainer(tiny_model_path, args=config(tmp_path / "eval", **settings), env=CountingCorridor,
+                              train_dataset=task_dataset(range(4)), eval_dataset=task_dataset(range(2), long_corridors[:2]))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        evaluating.evaluate()  # one copy per task: every step group is a singleton, by design
+    assert not [w for w in caught if "singletons" in str(w.message)]
+    evaluating.close_environments()
+
+    training = GiGPOTrainer(tiny_model_path, args=config(tmp_path / "train", **settings), env=CountingCorridor,
+                            train_dataset=task_dataset(range(4), long_corridors))
+    with pytest.warns(UserWarning, match="of step groups are singletons"):
+        training.train()
+    training.close_environments()
