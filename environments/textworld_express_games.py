@@ -61,10 +61,11 @@ except ImportError as exc:
         "the TextWorldExpress environments need the textworld-express package: pip install 'gigpo-trl[textworld-express]'"
     ) from exc
 
-from gigpo_trl.envs import INFO_ADMISSIBLE_ACTIONS, INFO_ANCHOR, INFO_TASK, INFO_TASK_TYPE, INFO_WON, check_step_call
+from gigpo_trl.envs import (
+    FOLDS, INFO_ADMISSIBLE_ACTIONS, INFO_ANCHOR, INFO_TASK, INFO_TASK_TYPE, INFO_WON, check_step_call,
+)
 
 GAMES = ("cookingworld", "coin", "twc", "mapreader", "arithmetic", "sorting", "simonsays", "peckingorder")
-FOLDS = ("train", "dev", "test")
 # Where each game keeps its state (see the module docstring).
 _STATE_SOURCE = {
     "cookingworld": "object_tree",
@@ -128,10 +129,9 @@ class TextWorldExpressEnv:
         self.jvm_options = tuple(jvm_options)
         self._engine: Any = None  # textworld_express.TextWorldExpressEnv, started at the first reset
         self._loaded: tuple[str, str] | None = None  # (game, parameter string) the engine has loaded
-        self._fold_seeds: dict[str, dict[str, list[int]]] = {}  # game -> fold -> seeds
+        self._seed_folds: dict[str, dict[int, str]] = {}  # game -> seed -> its fold, in the engine's order
         self._seed_rng: random.Random | None = None
         self._episode: dict[str, Any] | None = None  # game, params, seed, fold of the current episode
-        self._info: dict[str, Any] = {}
         self._elapsed_steps = 0
         self._episode_over = False
 
@@ -139,15 +139,16 @@ class TextWorldExpressEnv:
         """The seeds of `fold` ("train", "dev" or "test") of `game` (default: this environment's game)."""
         if fold not in FOLDS:
             raise ValueError(f"fold must be one of {FOLDS}, got {fold!r}")
-        game = game or self.game
-        if game not in self._fold_seeds:
+        return [seed for seed, its_fold in self._folds_of(game or self.game).items() if its_fold == fold]
+
+    def _folds_of(self, game: str) -> dict[int, str]:
+        """Seed -> fold for `game`, asked of the engine once."""
+        if game not in self._seed_folds:
             self._load(game, self.params if game == self.game else {})
-            self._fold_seeds[game] = {
-                "train": list(self._engine.getValidSeedsTrain()),
-                "dev": list(self._engine.getValidSeedsDev()),
-                "test": list(self._engine.getValidSeedsTest()),
-            }
-        return list(self._fold_seeds[game][fold])
+            engine = self._engine
+            fold_sets = (engine.getValidSeedsTrain(), engine.getValidSeedsDev(), engine.getValidSeedsTest())
+            self._seed_folds[game] = {seed: fold for fold, seeds in zip(FOLDS, fold_sets) for seed in seeds}
+        return self._seed_folds[game]
 
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[str, dict[str, Any]]:
         """Start an episode of the game of `seed`; returns `(observation, info)`."""
@@ -166,10 +167,9 @@ class TextWorldExpressEnv:
             raise ValueError(f"seed must be None or an int, got {seed!r}")
         else:
             self._seed_rng = random.Random(seed)
-        folds = {name: set(self.fold_seeds(name, game)) for name in FOLDS}
-        fold = next((name for name, seeds in folds.items() if seed in seeds), None)
+        fold = self._folds_of(game).get(seed)
         if fold is None:
-            ranges = {name: f"{min(seeds)}-{max(seeds)}" for name, seeds in folds.items()}
+            ranges = {name: f"{min(seeds)}-{max(seeds)}" for name in FOLDS for seeds in [self.fold_seeds(name, game)]}
             raise ValueError(f"seed {seed} is in no fold of TextWorldExpress's {game}: seeds are {ranges}")
 
         self._load(game, params)
