@@ -95,8 +95,8 @@ class GiGPOConfig(GRPOConfig):
     prompt_template: str | None = field(
         default=None,
         metadata={"help": "Wording of the step prompts: a template name ('default', 'sokoban', 'numbered': answer with "
-                  "an action's number, 'numbered_one_shot': the same shown once, for small models) or a JSON file of PromptTemplate "
-                  "fields. None: the environment's default."},
+                  "an action's number, 'numbered_one_shot': the same shown once, for small models, 'action_one_shot': answer "
+                  "with the action's text, shown once) or a JSON file of PromptTemplate fields. None: the environment's default."},
     )
     step_timeout: float = field(
         default=30.0,

@@ -59,6 +59,22 @@ NUMBERED_ONE_SHOT_TEMPLATE = PromptTemplate(
     ),
 )
 
+_ACTION_INSTRUCTION = "Answer with <action>...</action> holding one admissible action, written exactly as listed."
+
+# For small models: no system message, answer with the action's text, shown once in a demonstration exchange
+# (models of 135M parameters copy a listed command far more readily than they map it to its number).
+ACTION_ONE_SHOT_TEMPLATE = PromptTemplate(
+    system="",
+    instruction=_ACTION_INSTRUCTION,
+    examples=(
+        (
+            "Current observation (step 0):\nYou are in a hall. There is a door to the north.\n\n"
+            f"Admissible actions:\n1. look\n2. go north\n\n{_ACTION_INSTRUCTION}",
+            "<action>go north</action>",
+        ),
+    ),
+)
+
 # Short prompts for tiny models: no system message, answer with a number.
 NUMBERED_TEMPLATE = PromptTemplate(system="", instruction=_NUMBERED_INSTRUCTION)
 
@@ -68,6 +84,7 @@ TEMPLATES: dict[str, PromptTemplate] = {
     "numbered": NUMBERED_TEMPLATE,
     "sokoban": SOKOBAN_TEMPLATE,
     "numbered_one_shot": NUMBERED_ONE_SHOT_TEMPLATE,
+    "action_one_shot": ACTION_ONE_SHOT_TEMPLATE,
 }
 # Default template of each shipped environment; any other environment gets `PromptTemplate()`.
 ENV_TEMPLATES: dict[str, PromptTemplate] = {"sokoban": SOKOBAN_TEMPLATE, "textworld": PromptTemplate()}

@@ -49,6 +49,16 @@ def test_a_template_with_examples_demonstrates_the_answer_before_the_step(tmp_pa
         load_template("no-such-template")
 
 
+@pytest.mark.parametrize("name", ["numbered_one_shot", "action_one_shot"])
+def test_a_demonstration_answers_with_an_action_its_own_prompt_lists(name):
+    template = load_template(name)
+    for prompt, answer in template.examples:
+        listed = [line.split(". ", 1)[1] for line in prompt.split("Admissible actions:\n")[1].split("\n\n")[0].splitlines()]
+        parsed = parse_action(answer, listed)
+        assert parsed.valid and parsed.action == "go north", (name, parsed)
+        assert prompt.endswith(template.instruction)
+
+
 def test_each_shipped_environment_has_a_template():
     assert "Sokoban" in template_for("sokoban").system
     assert template_for("textworld") == template_for("my-own-env") == PromptTemplate()
