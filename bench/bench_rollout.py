@@ -3,6 +3,7 @@
     python bench/bench_rollout.py                        # tiny local model on CPU (about 3 minutes)
     python bench/bench_rollout.py --model DIR_OR_HUB_ID  # any model (e.g. on a GPU)
     python bench/bench_rollout.py --iterations recipes/configs/quickstart_cpu.yaml   # where an iteration's time goes
+    python bench/bench_rollout.py --iterations BEFORE.yaml AFTER.yaml                # configs side by side, one run
 
 1. Rollout overhead: the wall time of `collect_rollout` (G x N Sokoban environments, T turns, every
    answer forced to exactly L tokens) against ONE batched generation of the same number of tokens
@@ -10,10 +11,11 @@
    same TRL generation path. Target: at most 1.15x. Measured twice: with history K=0 (every turn's
    prompt is as long as the first: the cost of the multi-turn loop itself) and with the default
    K=2 (later prompts also carry two past steps, so each turn re-reads a longer prompt).
-2. With `--iterations CONFIG`: instead, a few real training iterations of a recipe config (its model, by default
-   the embedded SmolLM2-135M-Instruct, its environment and batch sizes; no evaluation), and the share of each
-   iteration spent in generation, in the environments, in the rest of the rollout loop (prompts, parsing), in the
-   advantages and in the update, with the rollout's generated tokens per second.
+2. With `--iterations CONFIG [CONFIG ...]`: instead, a few real training iterations of each recipe config, one
+   after the other in this run (its model, by default the embedded SmolLM2-135M-Instruct, its environment and
+   batch sizes; no evaluation), and the share of each iteration spent in generation, in the environments, in the
+   rest of the rollout loop (prompts, parsing), in the advantages and in the update, with the rollout's generated
+   tokens per second and the step samples trained per second; then a median per config, side by side.
 3. Update memory: the peak memory of one training iteration of GiGPOTrainer against TRL's
    GRPOTrainer on the same number of samples of the same lengths, each in a fresh process.
    On CUDA: `torch.cuda.max_memory_allocated`; on CPU: the growth of the process's peak resident
@@ -154,9 +156,32 @@ def bench_iterations(config_path: str, iterations: int, model: str | None = None
           f"{config.max_env_steps} steps at most, answers of at most {config.max_completion_length} tokens")
     for k, row in enumerate(rows):
         shares = "  ".join(f"{name} {seconds:6.1f} s ({seconds / row['seconds']:4.0%})" for name, seconds in row["parts_s"].items())
-        print(f"  iteration {k}: {row['seconds']:6.1f} s, {row['step_samples']:.0f} step samples, "
-              f"{row['generated_tokens_per_s']:.1f} generated tokens/s | {shares}")
+        print(f"  iteration {k}: {row['seconds']:6.1f} s, {row['step_samples']:.0f} step samples "
+              f"({row['step_samples'] / row['seconds']:.2f}/s), {row['generated_tokens_per_s']:.1f} generated tokens/s | {shares}")
     return rows
+
+
+def median_iteration(rows: list[dict]) -> dict:
+    """The median over iterations of the total, of each part, of step samples per second and of generated tokens/s."""
+    import numpy as np
+
+    median = {"seconds": float(np.median([row["seconds"] for row in rows])),
+              "step_samples_per_s": float(np.median([row["step_samples"] / row["seconds"] for row in rows])),
+              "generated_tokens_per_s": float(np.median([row["generated_tokens_per_s"] for row in rows]))}
+    median["parts_s"] = {name: float(np.median([row["parts_s"][name] for row in rows])) for name in rows[0]["parts_s"]}
+    return median
+
+
+def compare_iterations(config_paths: list[str], iterations: int, model: str | None = None) -> dict[str, dict]:
+    """`bench_iterations` of each config in turn; prints their medians side by side and returns them by config."""
+    medians = {path: median_iteration(bench_iterations(path, iterations, model)) for path in config_paths}
+    print("\nMedian iteration, side by side:")
+    for path, median in medians.items():
+        parts = ", ".join(f"{name} {seconds:.1f} s ({seconds / median['seconds']:.0%})"
+                          for name, seconds in median["parts_s"].items())
+        print(f"  {path}: {median['seconds']:.1f} s, {median['step_samples_per_s']:.2f} step samples/s, "
+              f"{median['generated_tokens_per_s']:.1f} generated tokens/s | {parts}")
+    return medians
 
 
 def update_peak_memory(trainer_kind: str, model: str, output_dir: str) -> dict:
@@ -244,14 +269,15 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=64, help="tokens per answer")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--iterations", metavar="CONFIG", help="time real training iterations of this recipe config")
+    parser.add_argument("--iterations", metavar="CONFIG", nargs="+",
+                        help="time real training iterations of these recipe configs, one after the other")
     parser.add_argument("--num-iterations", type=int, default=3,
                         help="with --iterations: iterations timed (one more rollout is played to time the last update)")
     parser.add_argument("--memory-worker", choices=["grpo", "gigpo"], help=argparse.SUPPRESS)
     parser.add_argument("--output-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.iterations:
-        bench_iterations(args.iterations, args.num_iterations, args.model)
+        compare_iterations(args.iterations, args.num_iterations, args.model)
         return
     if args.model is None:
         from gigpo_trl.models import build_tiny_model

@@ -92,3 +92,34 @@ def test_iteration_timing_splits_each_iteration_into_its_parts(tiny_model_path):
         assert all(seconds >= 0 for seconds in row["parts_s"].values()) and row["parts_s"]["update"] > 0
         assert row["seconds"] == pytest.approx(sum(row["parts_s"].values()))
         assert row["step_samples"] > 0 and row["generated_tokens_per_s"] > 0
+
+
+def test_the_median_iteration_takes_each_figure_over_iterations_separately():
+    from bench.bench_rollout import median_iteration
+
+    parts = ["generation", "environments", "rollout loop", "advantages", "update"]
+    rows = [{"seconds": total, "step_samples": samples, "generated_tokens_per_s": tokens, "parts_s": dict(zip(parts, split))}
+            for total, samples, tokens, split in [(10.0, 20, 5.0, (4, 0, 0, 0, 6)), (30.0, 30, 9.0, (9, 1, 0, 0, 20)),
+                                                   (20.0, 10, 7.0, (5, 0, 1, 0, 14))]]
+    median = median_iteration(rows)
+
+    assert median["seconds"] == 20.0 and median["generated_tokens_per_s"] == 7.0
+    assert median["step_samples_per_s"] == 1.0  # of 2.0, 1.0 and 0.5 per second: not 20 samples / 20 s
+    assert median["parts_s"] == {"generation": 5, "environments": 0, "rollout loop": 0, "advantages": 0, "update": 14}
+
+
+@pytest.mark.timeout(300)
+def test_configs_are_timed_side_by_side_in_one_run(tiny_model_path, tmp_path, capsys):
+    import yaml
+
+    from bench.bench_rollout import compare_iterations
+
+    smoke = Path(__file__).resolve().parent.parent / "recipes" / "configs" / "smoke_cpu.yaml"
+    shorter = tmp_path / "shorter_answers.yaml"
+    shorter.write_text(yaml.safe_dump(yaml.safe_load(smoke.read_text()) | {"max_completion_length": 4}))
+    medians = compare_iterations([str(smoke), str(shorter)], 1, tiny_model_path)
+
+    assert list(medians) == [str(smoke), str(shorter)]
+    assert all(median["seconds"] > 0 and median["step_samples_per_s"] > 0 for median in medians.values())
+    side_by_side = capsys.readouterr().out.split("Median iteration, side by side:")[1]
+    assert str(smoke) in side_by_side and str(shorter) in side_by_side
