@@ -116,27 +116,28 @@ def bench_rollout(model: str, num_tasks: int, group_size: int, turns: int, token
     }
 
 
-# Fields of the recipes' YAML that belong to the recipe script or to the model, not to GiGPOConfig.
-RECIPE_ONLY_FIELDS = {"model_name_or_path", "num_train_tasks", "num_eval_tasks", "eval_fold", "dtype", "use_peft",
-                      "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules"}
+RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 
 
 def bench_iterations(config_path: str, iterations: int, model: str | None = None) -> list[dict]:
     """Train `iterations` iterations of a recipe config; prints and returns each one's timing and shares."""
-    import yaml
+    from trl import ModelConfig, TrlParser
 
     from gigpo_trl.config import GiGPOConfig
     from gigpo_trl.envs import fold_seeds
     from gigpo_trl.models import EMBEDDED_MODEL
     from gigpo_trl.trainer import GiGPOTrainer, task_dataset
 
-    settings = yaml.safe_load(Path(config_path).read_text())
-    model = model or settings.get("model_name_or_path") or EMBEDDED_MODEL
-    fields = {key: value for key, value in settings.items() if key not in RECIPE_ONLY_FIELDS}
-    fields.update(output_dir=tempfile.mkdtemp(), max_steps=iterations + 1, eval_strategy="no", report_to=[],
-                  disable_tqdm=True, log_trajectories=0)
-    config = GiGPOConfig(**fields)
-    tasks = task_dataset(fold_seeds(config.env_name, "train", settings.get("num_train_tasks", 64), **config.env_kwargs))
+    if str(RECIPES) not in sys.path:
+        sys.path.insert(0, str(RECIPES))
+    from train_gigpo import TaskArguments  # the recipe script's own arguments: the config parses as it does there
+
+    overrides = ["--output_dir", tempfile.mkdtemp(), "--max_steps", str(iterations + 1), "--eval_strategy", "no",
+                 "--report_to", "none", "--disable_tqdm", "true", "--log_trajectories", "0"]
+    task_args, config, model_args = TrlParser((TaskArguments, GiGPOConfig, ModelConfig)).parse_args_and_config(
+        args=["--config", config_path, *overrides])
+    model = model or model_args.model_name_or_path or EMBEDDED_MODEL
+    tasks = task_dataset(fold_seeds(config.env_name, "train", task_args.num_train_tasks, **config.env_kwargs))
     trainer = GiGPOTrainer(model, args=config, train_dataset=tasks)
     trainer.train()
     trainer.close_environments()
