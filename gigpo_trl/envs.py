@@ -79,6 +79,7 @@ _REGISTRY: dict[str, EnvFactory | str] = {
     "textworld": "gigpo_trl.environments.textworld_games:TextWorldEnv",
     "textworld_express": "gigpo_trl.environments.textworld_express_games:TextWorldExpressEnv",
     "openenv": "gigpo_trl.environments.openenv_adapter:OpenEnvAdapter",
+    "alfworld": "gigpo_trl.environments.alfworld_games:AlfWorldEnv",
 }
 
 
