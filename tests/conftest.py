@@ -17,3 +17,5 @@ def tiny_model_path(tmp_path_factory) -> str:
 
 
 os.environ["GIGPO_TRL_CACHE"] = tempfile.mkdtemp(prefix="gigpo-trl-test-cache-")
+# Importing alfworld creates its data folder ($ALFWORLD_DATA, default ~/.cache/alfworld); the tests bring their own games.
+os.environ["ALFWORLD_DATA"] = tempfile.mkdtemp(prefix="gigpo-trl-test-alfworld-")
