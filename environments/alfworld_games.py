@@ -12,9 +12,10 @@ downloaded once by ALFWorld's own script, `alfworld-download`, into `$ALFWORLD_D
 Games of a split, as `AlfredTWEnv` collects them: every trial folder with a `traj_data.json`, except those whose
 path names a movable receptacle ("movable") or a sliced object ("Sliced"), of one of the task types asked for,
 whose `game.tw-pddl` exists and is marked solvable; in the order of their paths (sorted here: `AlfredTWEnv` keeps
-`os.walk`'s order, which differs between file systems). Listing a split reads every game file once (seconds for
-the 3,553 training games); the list is cached under `gigpo_trl.paths.cache_root()/alfworld` and rebuilt when a file
-of the split changes (size or modification time).
+`os.walk`'s order, which differs between file systems). Listing a split reads every game file once; the list is
+cached under `gigpo_trl.paths.cache_root()/alfworld` and rebuilt when a file of the split changes (size or
+modification time). Measured on 3,553 synthetic trials (game files of 112 KB, traj_data.json of 34 KB; 2 cores):
+2.8 s to list, 0.24 s from the cache (every worker process of a pool reads it once).
 
 Tasks and folds. A task is a seed; each split holds its own range of seeds, so held-out games can never be trained
 on: the train fold is ALFWorld's `train` split (seed i = its i-th game), the dev fold `valid_seen` (1,000,000 + i:
