@@ -223,8 +223,10 @@ class AlfWorldEnv:
         return self._state.feedback.strip(), self.win_reward if won else 0.0, won, truncated, self._info()
 
     def close(self) -> None:
-        """Drop the engine (a later `reset` creates a new one)."""
-        self._engine, self._game_file, self._state, self._episode = None, None, None, None
+        """End the episode. The engine is kept for a later `reset`: its planner library (a private copy per engine)
+        cannot be unloaded (`fast_downward.close_lib` crashes the process at exit), so a new engine per close would
+        leak about 1 MB each time."""
+        self._state, self._episode = None, None
 
     def _info(self) -> dict[str, Any]:
         return {

@@ -149,6 +149,11 @@ def test_max_steps_truncates_and_the_call_order_is_enforced(env):
     assert limited.step("look")[3] is True
     with pytest.raises(RuntimeError, match="episode has ended"):
         limited.step("look")
+    limited.reset(seed=0)
+    limited.close()
+    with pytest.raises(RuntimeError, match="reset"):
+        limited.step("look")
+    assert limited.reset(seed=APPLE_IN_FRIDGE)[1]["task_type"] == "pick"  # a closed environment can be reset
 
 
 def test_unseeded_resets_draw_from_the_split_and_replay_after_a_seeded_reset():
