@@ -176,7 +176,7 @@ class AlfWorldEnv:
         """The commands of the stored expert solution of the current game (ALFWorld's `walkthrough`)."""
         if self._episode is None:
             raise RuntimeError("call reset() first: the walkthrough is the current game's")
-        return list(json.loads(self._game_file.read_text())["walkthrough"])
+        return list(_read_json(self._game_file, "walkthrough")["walkthrough"])
 
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[str, dict[str, Any]]:
         """Start an episode of the game of `seed`; returns `(observation, info)`."""
@@ -238,11 +238,10 @@ class AlfWorldEnv:
         }
 
     def _game_of(self, seed: int) -> tuple[str, dict[str, str]]:
-        """The split and game of `seed`."""
-        for split in SPLITS:
-            start = SPLIT_SEED_STARTS[split]
-            if start <= seed < start + len(self._games_of(split)):
-                return split, self._games_of(split)[seed - start]
+        """The split and game of `seed`; only that split is listed (an evaluation worker never reads train's list)."""
+        split = max((s for s in SPLITS if SPLIT_SEED_STARTS[s] <= seed), key=SPLIT_SEED_STARTS.get, default=None)
+        if split is not None and seed - SPLIT_SEED_STARTS[split] < len(self._games_of(split)):
+            return split, self._games_of(split)[seed - SPLIT_SEED_STARTS[split]]
         ranges = {
             split: f"{SPLIT_SEED_STARTS[split]}-{SPLIT_SEED_STARTS[split] + len(self._games_of(split)) - 1}"
             if self._games_of(split) else "no games"
@@ -302,14 +301,25 @@ def _split_games(split_dir: Path, cache_dir: Path) -> list[dict[str, str]]:
     games = []
     for trial in tqdm(trials, desc=f"Listing ALFWorld's {split_dir.name} games", unit="game", disable=len(trials) < 100):
         game_file = Path(trial, "game.tw-pddl")
-        task_type = json.loads(Path(trial, "traj_data.json").read_text())["task_type"]
-        if task_type in TASK_TYPES and game_file.exists() and json.loads(game_file.read_text()).get("solvable"):
+        task_type = _read_json(Path(trial, "traj_data.json"), "task_type")["task_type"]
+        if task_type in TASK_TYPES and game_file.exists() and _read_json(game_file).get("solvable"):
             games.append({"path": str(game_file.relative_to(split_dir)), "task_type": task_type})
     cache_dir.mkdir(parents=True, exist_ok=True)
     staging = index_file.with_name(f".{index_file.name}.{uuid.uuid4().hex}")
     staging.write_text(json.dumps({"split_dir": str(split_dir), "fingerprint": fingerprint, "games": games}))
     staging.replace(index_file)  # atomic: concurrent readers see the old list or the new one
     return games
+
+
+def _read_json(path: Path, key: str | None = None) -> dict[str, Any]:
+    """The JSON object of an ALFWorld file (holding `key` when one is given); a ValueError names the file otherwise."""
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not valid JSON ({exc}): re-download or re-generate it") from None
+    if not isinstance(data, dict) or (key is not None and key not in data):
+        raise ValueError(f"{path} is not an ALFWorld file of the expected format: no {key!r} field")
+    return data
 
 
 def _checked_task_types(task_types: Sequence[str] | None) -> frozenset[str]:

@@ -257,3 +257,15 @@ def test_training_groups_the_steps_of_the_copies_that_reach_the_same_state(tmp_p
     sizes = [step["step_group_size"] for episode in episodes for step in episode["steps"]]
     assert sizes == [anchors.count(anchor) for anchor in anchors]
     assert 1 < len(set(anchors)) < len(anchors)  # the copies diverged, and some of their steps met again
+
+
+def test_a_malformed_game_folder_is_refused_with_the_file_named(tmp_path):
+    data = tmp_path / "data"
+    shutil.copytree(DATA, data)
+    traj_data = next((data / "json_2.1.1" / "valid_seen").rglob("traj_data.json"))
+    traj_data.write_text('{"task_id": "no task type"}')
+    with pytest.raises(ValueError, match=f"{traj_data}.*no 'task_type' field"):
+        make_env("alfworld", data_dir=data, cache_dir=tmp_path / "cache").fold_seeds("dev")
+    traj_data.write_text("not json")
+    with pytest.raises(ValueError, match=f"{traj_data} is not valid JSON"):
+        make_env("alfworld", data_dir=data, cache_dir=tmp_path / "cache").fold_seeds("dev")
