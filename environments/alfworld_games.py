@@ -68,10 +68,8 @@ except ImportError as exc:
     ) from exc
 from tqdm.auto import tqdm
 
-from gigpo_trl.envs import (
-    DEFAULT_FOLD_STARTS, FOLDS, INFO_ADMISSIBLE_ACTIONS, INFO_ANCHOR, INFO_TASK, INFO_TASK_TYPE, INFO_WON,
-    check_step_call,
-)
+from gigpo_trl.env_base import BaseTextEnv
+from gigpo_trl.envs import DEFAULT_FOLD_STARTS, FOLDS, INFO_ADMISSIBLE_ACTIONS, INFO_ANCHOR, INFO_TASK, INFO_TASK_TYPE, INFO_WON
 from gigpo_trl.paths import cache_root
 
 DATA_ENV_VAR = "ALFWORLD_DATA"
@@ -107,7 +105,7 @@ def state_anchor(facts: Iterable[Any], hidden_predicates: Iterable[str] = ()) ->
     return hashlib.sha1(text.encode()).hexdigest()
 
 
-class AlfWorldEnv:
+class AlfWorldEnv(BaseTextEnv):
     """ALFWorld's text games (see the module docstring).
 
     Args:
@@ -132,10 +130,9 @@ class AlfWorldEnv:
         max_steps: int | None = None,
         cache_dir: str | os.PathLike[str] | None = None,
     ) -> None:
+        super().__init__(max_steps=max_steps)
         if split not in SPLITS:
             raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-        if max_steps is not None and (not _is_int(max_steps) or max_steps < 1):
-            raise ValueError(f"max_steps must be None or an int >= 1, got {max_steps!r}")
         self.data_dir = Path(data_dir).expanduser().absolute() if data_dir is not None else default_data_dir()
         if not (self.data_dir / GAMES_FOLDER).is_dir():
             raise FileNotFoundError(
@@ -146,7 +143,6 @@ class AlfWorldEnv:
         self.split = split
         self.task_types = _checked_task_types(task_types)
         self.win_reward = float(win_reward)
-        self.max_steps = max_steps
         self.cache_dir = Path(cache_dir).expanduser().absolute() if cache_dir is not None else cache_root() / "alfworld"
         self._games: dict[str, list[dict[str, str]]] = {}  # split -> its games of the asked types, by seed order
         self._seed_rng: random.Random | None = None
@@ -155,8 +151,6 @@ class AlfWorldEnv:
         self._hidden_predicates: frozenset[str] = frozenset()
         self._state: Any = None
         self._episode: dict[str, Any] | None = None
-        self._elapsed_steps = 0
-        self._episode_over = False
 
     def split_seeds(self, split: str) -> list[int]:
         """The seeds of the games of `split`, in order."""
@@ -174,20 +168,17 @@ class AlfWorldEnv:
     @property
     def walkthrough(self) -> list[str]:
         """The commands of the stored expert solution of the current game (ALFWorld's `walkthrough`)."""
-        if self._episode is None:
-            raise RuntimeError("call reset() first: the walkthrough is the current game's")
+        self.require_reset("the walkthrough")
         return list(_read_json(self._game_file, "walkthrough")["walkthrough"])
 
-    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[str, dict[str, Any]]:
-        """Start an episode of the game of `seed`; returns `(observation, info)`."""
+    def _reset(self, seed: int | None, options: dict[str, Any] | None) -> tuple[str, dict[str, Any]]:
+        """Start an episode of the game of `seed`."""
         if options:
             raise ValueError(f"ALFWorld takes no reset options (a task is a seed), got {options!r}")
         if seed is None:
             if self._seed_rng is None:
                 self._seed_rng = random.Random()
             seed = self._seed_rng.choice(self.split_seeds(self.split))
-        elif not _is_int(seed):
-            raise ValueError(f"seed must be None or an int, got {seed!r}")
         else:
             self._seed_rng = random.Random(seed)
         split, game = self._game_of(seed)
@@ -207,25 +198,20 @@ class AlfWorldEnv:
         if goal is None:
             raise ValueError(f"{game_file}: the first observation states no goal ('Your task is to: ...')")
         self._episode = {"task": goal.group(1), "task_type": TASK_TYPES[game["task_type"]]}
-        self._elapsed_steps, self._episode_over = 0, False
         info = self._info()
         info.update(seed=seed, split=split, game=game["path"])
         return self._state.feedback.replace(BANNER, "", 1).strip(), info
 
-    def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
-        """Send one command; returns `(observation, reward, terminated, truncated, info)`."""
-        check_step_call(reset_done=self._episode is not None, episode_over=self._episode_over, action=action)
+    def _step(self, action: str) -> tuple[str, float, bool, dict[str, Any]]:
         self._state, _, _ = self._engine.step(action)
         won = bool(self._state["won"])
-        self._elapsed_steps += 1
-        truncated = self.max_steps is not None and self._elapsed_steps >= self.max_steps
-        self._episode_over = won or truncated
-        return self._state.feedback.strip(), self.win_reward if won else 0.0, won, truncated, self._info()
+        return self._state.feedback.strip(), self.win_reward if won else 0.0, won, self._info()
 
     def close(self) -> None:
         """End the episode. The engine is kept for a later `reset`: its planner library (a private copy per engine)
         cannot be unloaded (`fast_downward.close_lib` crashes the process at exit), so a new engine per close would
         leak about 1 MB each time."""
+        super().close()
         self._state, self._episode = None, None
 
     def _info(self) -> dict[str, Any]:
@@ -335,7 +321,3 @@ def _checked_task_types(task_types: Sequence[str] | None) -> frozenset[str]:
             else "task_types must name at least one task type"
         )
     return frozenset(by_short_name.get(t, t) for t in task_types)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)

@@ -68,7 +68,8 @@ except ImportError as exc:
     raise ImportError("the OpenEnv adapter needs the openenv package: pip install 'gigpo-trl[openenv]'") from exc
 from pydantic import BaseModel, ValidationError
 
-from gigpo_trl.envs import INFO_ADMISSIBLE_ACTIONS, INFO_ANCHOR, INFO_TASK, INFO_WON, check_step_call
+from gigpo_trl.env_base import BaseTextEnv
+from gigpo_trl.envs import INFO_ADMISSIBLE_ACTIONS, INFO_ANCHOR, INFO_TASK, INFO_WON
 
 TEXT_FIELDS = ("text", "message", "prompt", "observation", "content")
 COUNTER_FIELDS = frozenset(
@@ -128,7 +129,7 @@ def action_from_text(text: str, action_cls: type[Action]) -> Action:
     raise ValueError(f"expected a JSON object with the fields {_describe_fields(fields)}, got {text!r}")
 
 
-class OpenEnvAdapter:
+class OpenEnvAdapter(BaseTextEnv):
     """An OpenEnv environment, in this process or on a server, as a text environment (see the module docstring).
 
     Args:
@@ -160,16 +161,14 @@ class OpenEnvAdapter:
         task_key: FieldNames = TASK_FIELDS,
         max_steps: int | None = None,
     ) -> None:
+        super().__init__(max_steps=max_steps)
         if action_cls is not None and not (isinstance(action_cls, type) and issubclass(action_cls, Action)):
             raise TypeError(f"action_cls must be a subclass of openenv's Action, got {action_cls!r}")
-        if max_steps is not None and (not isinstance(max_steps, int) or isinstance(max_steps, bool) or max_steps < 1):
-            raise ValueError(f"max_steps must be None or an int >= 1, got {max_steps!r}")
         self.observation_to_text = observation_to_text
         self.observation_to_anchor = observation_to_anchor
         self.admissible_actions_key = _field_names(admissible_actions_key, "admissible_actions_key")
         self.won_key = _field_names(won_key, "won_key")
         self.task_key = _field_names(task_key, "task_key")
-        self.max_steps = max_steps
         self._session = _open_session(env)
         if text_to_action is None:
             action_cls = action_cls or _step_action_class(self._session)
@@ -183,14 +182,11 @@ class OpenEnvAdapter:
         self.text_to_action = text_to_action
         self._text = ""
         self._info: dict[str, Any] = {}
-        self._elapsed_steps = 0
-        self._reset_done = False
-        self._episode_over = False
         self._closed = False
 
-    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[str, dict[str, Any]]:
-        """Start an episode: the environment's `reset(seed=seed, **options)`; returns `(observation, info)`."""
-        if options is not None and not (isinstance(options, Mapping) and all(isinstance(k, str) for k in options)):
+    def _reset(self, seed: int | None, options: dict[str, Any] | None) -> tuple[str, dict[str, Any]]:
+        """Start an episode: the environment's `reset(seed=seed, **options)`."""
+        if options is not None and not all(isinstance(k, str) for k in options):
             raise ValueError(f"options must be None or a dict of reset arguments by name, got {options!r}")
         arguments = dict(options or {})
         if "seed" in arguments:
@@ -198,30 +194,24 @@ class OpenEnvAdapter:
         if seed is not None:
             arguments["seed"] = seed
         _, done = self._observe(self._session.reset(**arguments))
-        self._elapsed_steps = 0
-        self._reset_done = True
-        self._episode_over = done
+        if done:
+            self.end_episode()
         return self._text, dict(self._info)
 
-    def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
-        """Take one action; returns `(observation, reward, terminated, truncated, info)`."""
-        check_step_call(reset_done=self._reset_done, episode_over=self._episode_over, action=action)
-        self._elapsed_steps += 1
-        truncated = self.max_steps is not None and self._elapsed_steps >= self.max_steps
+    def _step(self, action: str) -> tuple[str, float, bool, dict[str, Any]]:
         try:
             openenv_action = self.text_to_action(action)
         except ValueError as exc:
-            self._episode_over = truncated
             text = INVALID_ACTION.format(reason=exc, observation=self._text)
-            return text, 0.0, False, truncated, {**self._info, "invalid_action": True}
+            return text, 0.0, False, {**self._info, "invalid_action": True}
         if not isinstance(openenv_action, Action):
             raise TypeError(f"text_to_action must return an openenv Action, got {type(openenv_action).__name__}")
         reward, terminated = self._observe(self._session.step(openenv_action))
-        self._episode_over = terminated or truncated
-        return self._text, reward, terminated, truncated, {**self._info, "invalid_action": False}
+        return self._text, reward, terminated, {**self._info, "invalid_action": False}
 
     def close(self) -> None:
         """Close the environment or the client (once)."""
+        super().close()
         if not self._closed:
             self._closed = True
             self._session.close()

@@ -16,19 +16,23 @@ from __future__ import annotations
 
 from typing import Any
 
-from gigpo_trl.envs import INFO_ADMISSIBLE_ACTIONS, INFO_ANCHOR, INFO_TASK, INFO_WON, check_step_call
+from gigpo_trl.env_base import BaseTextEnv
+from gigpo_trl.envs import INFO_ADMISSIBLE_ACTIONS, INFO_ANCHOR, INFO_TASK, INFO_WON
 
 MOVES = ("go west", "go east")
 IDLE_ACTIONS = ("wait", "look around", "listen", "rest")
 TASK = "Find the treasure at one end of the corridor of rooms. The draught blows towards it."
 
 
-class RoomsEnv:
+class RoomsEnv(BaseTextEnv):
     """See the module docstring. `num_rooms` must be odd and at least 3 (the start is the middle room);
     `idle_actions` is how many of IDLE_ACTIONS are admissible besides the two moves (0 to 4); `treasure` is
-    "seed" (the seed's parity picks the end: even west, odd east) or a fixed "west" or "east" for every task."""
+    "seed" (the seed's parity picks the end: even west, odd east) or a fixed "west" or "east" for every task;
+    `max_steps` as in `BaseTextEnv`. `walkthrough` is the shortest way to the treasure."""
 
-    def __init__(self, num_rooms: int = 9, idle_actions: int = 0, treasure: str = "seed"):
+    def __init__(self, num_rooms: int = 9, idle_actions: int = 0, treasure: str = "seed", *,
+                 max_steps: int | None = None):
+        super().__init__(max_steps=max_steps)
         if not isinstance(num_rooms, int) or num_rooms < 3 or num_rooms % 2 == 0:
             raise ValueError(f"num_rooms must be an odd int >= 3, got {num_rooms!r}")
         if not isinstance(idle_actions, int) or not 0 <= idle_actions <= len(IDLE_ACTIONS):
@@ -38,28 +42,27 @@ class RoomsEnv:
         self.num_rooms = num_rooms
         self.treasure = treasure
         self.actions = MOVES + IDLE_ACTIONS[:idle_actions]
-        self._room: int | None = None
-        self._episode_over = False
+        self._room = self._treasure = 0
 
-    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[str, dict[str, Any]]:
+    @property
+    def walkthrough(self) -> list[str]:
+        """The moves from the middle room to the treasure."""
+        self.require_reset("the walkthrough")
+        return ["go west" if self._treasure == 0 else "go east"] * (self.num_rooms // 2)
+
+    def _reset(self, seed: int | None, options: dict[str, Any] | None) -> tuple[str, dict[str, Any]]:
         if options:
             raise ValueError(f"RoomsEnv takes no options, got {sorted(options)}")
         west = (seed or 0) % 2 == 0 if self.treasure == "seed" else self.treasure == "west"
         self._treasure = 0 if west else self.num_rooms - 1
         self._room = self.num_rooms // 2
-        self._episode_over = False
         return self._observation(), self._info()
 
-    def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
-        check_step_call(reset_done=self._room is not None, episode_over=self._episode_over, action=action)
+    def _step(self, action: str) -> tuple[str, float, bool, dict[str, Any]]:
         move = {"go west": -1, "go east": 1}.get(action.strip().lower(), 0)
         self._room = min(max(self._room + move, 0), self.num_rooms - 1)
         won = self._room == self._treasure
-        self._episode_over = won
-        return self._observation(), 1.0 if won else 0.0, won, False, self._info()
-
-    def close(self) -> None:
-        pass
+        return self._observation(), 1.0 if won else 0.0, won, self._info()
 
     def _observation(self) -> str:
         if self._room == self._treasure:

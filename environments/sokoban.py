@@ -31,7 +31,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from gigpo_trl.envs import check_step_call
+from gigpo_trl.env_base import BaseTextEnv, is_int
+from gigpo_trl.envs import INFO_ADMISSIBLE_ACTIONS, INFO_ANCHOR, INFO_TASK, INFO_TASK_TYPE, INFO_WON
 
 Cell = tuple[int, int]  # (row, column), row 0 at the top
 
@@ -97,7 +98,7 @@ class _ReversePlay:
     boxes: tuple[Cell, ...]
 
 
-class SokobanEnv:
+class SokobanEnv(BaseTextEnv):
     """Sokoban with text observations and text actions (see the module docstring for symbols and rewards).
 
     Args:
@@ -120,23 +121,22 @@ class SokobanEnv:
     def __init__(
         self, *, dim_room: Sequence[int] = (6, 6), num_boxes: int = 1, max_steps: int | None = None
     ) -> None:
+        super().__init__(max_steps=max_steps)
         self.dim_room = _checked_dim_room(dim_room)
         self.num_boxes = _checked_num_boxes(num_boxes, self.dim_room)
-        if max_steps is not None and (not _is_int(max_steps) or max_steps < 1):
-            raise ValueError(f"max_steps must be None or an int >= 1, got {max_steps!r}")
-        self.max_steps = max_steps
         self._rng: random.Random | None = None
         self._room: _Room | None = None
         self._player: Cell = (0, 0)
         self._boxes: frozenset[Cell] = frozenset()
-        self._elapsed_steps = 0
-        self._episode_over = False
 
-    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[str, dict[str, Any]]:
-        """Start an episode in a new room; returns `(observation, info)`."""
+    seed_description = "a non-negative int"
+
+    def seed_in_range(self, seed: int) -> bool:
+        return seed >= 0
+
+    def _reset(self, seed: int | None, options: dict[str, Any] | None) -> tuple[str, dict[str, Any]]:
+        """Start an episode in a new room."""
         if seed is not None:
-            if not _is_int(seed) or seed < 0:
-                raise ValueError(f"seed must be None or a non-negative int, got {seed!r}")
             self._rng = random.Random(seed)
         elif self._rng is None:
             self._rng = random.Random()
@@ -147,19 +147,14 @@ class SokobanEnv:
             dim_room = _checked_dim_room(options.get("dim_room", self.dim_room))
             num_boxes = _checked_num_boxes(options.get("num_boxes", self.num_boxes), dim_room)
             self._room, self._player, self._boxes = _generate_room(self._rng, dim_room, num_boxes)
-        self._elapsed_steps = 0
-        self._episode_over = False
         observation = self._render()
         return observation, self._info(observation)
 
-    def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
-        """Take one action; returns `(observation, reward, terminated, truncated, info)`."""
-        check_step_call(reset_done=self._room is not None, episode_over=self._episode_over, action=action)
+    def _step(self, action: str) -> tuple[str, float, bool, dict[str, Any]]:
         move = _MOVES.get(action.strip().lower())
         boxes_on_target_before = self._boxes_on_target()
         if move is not None:
             self._walk(move)
-        self._elapsed_steps += 1
 
         boxes_on_target = self._boxes_on_target()
         reward = STEP_PENALTY
@@ -170,16 +165,11 @@ class SokobanEnv:
         terminated = boxes_on_target == len(self._boxes)
         if terminated:
             reward += SOLVED_REWARD
-        truncated = self.max_steps is not None and self._elapsed_steps >= self.max_steps
-        self._episode_over = terminated or truncated
 
         observation = self._render()
         info = self._info(observation)
         info["invalid_action"] = move is None
-        return observation, reward, terminated, truncated, info
-
-    def close(self) -> None:
-        """Nothing to release."""
+        return observation, reward, terminated, info
 
     def _walk(self, move: Cell) -> None:
         """Move the player one cell, pushing the box in the way if the cell behind it is free."""
@@ -218,11 +208,11 @@ class SokobanEnv:
     def _info(self, observation: str) -> dict[str, Any]:
         boxes_on_target = self._boxes_on_target()
         return {
-            "anchor": observation,
-            "admissible_actions": list(ACTIONS),
-            "won": boxes_on_target == len(self._boxes),
-            "task": TASK,
-            "task_type": f"{self._room.height}x{self._room.width}, {len(self._boxes)} box{'es' if len(self._boxes) > 1 else ''}",
+            INFO_ANCHOR: observation,
+            INFO_ADMISSIBLE_ACTIONS: list(ACTIONS),
+            INFO_WON: boxes_on_target == len(self._boxes),
+            INFO_TASK: TASK,
+            INFO_TASK_TYPE: f"{self._room.height}x{self._room.width}, {len(self._boxes)} box{'es' if len(self._boxes) > 1 else ''}",
             "num_boxes": len(self._boxes),
             "boxes_on_target": boxes_on_target,
         }
@@ -233,15 +223,11 @@ class SokobanEnv:
 # --------------------------------------------------------------------------------------------
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _checked_dim_room(dim_room: Any) -> tuple[int, int]:
     if (
         not isinstance(dim_room, (tuple, list))
         or len(dim_room) != 2
-        or not all(_is_int(side) and side >= 3 for side in dim_room)
+        or not all(is_int(side) and side >= 3 for side in dim_room)
         or max(dim_room) < 5
     ):
         raise ValueError(
@@ -252,7 +238,7 @@ def _checked_dim_room(dim_room: Any) -> tuple[int, int]:
 
 
 def _checked_num_boxes(num_boxes: Any, dim_room: tuple[int, int]) -> int:
-    if not _is_int(num_boxes) or num_boxes < 1:
+    if not is_int(num_boxes) or num_boxes < 1:
         raise ValueError(f"num_boxes must be an int >= 1, got {num_boxes!r}")
     inside = (dim_room[0] - 2) * (dim_room[1] - 2)
     if num_boxes + 2 > inside:

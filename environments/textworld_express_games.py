@@ -26,7 +26,7 @@ Reward: the step's score difference (the engine's score is cumulative and normal
 task succeeded or failed. `info` on reset and step: `anchor` (the exact state, see below), `admissible_actions`
 (the engine's valid actions, sorted), `won`, `lost`, `task` (the task description), `task_type` (the game, with
 its parameters when some are given: "cookingworld(numLocations=3)"), `score`; on reset also `seed` and `fold`.
-`gold_actions()` gives the engine's gold action sequence of the current game (e.g. for a supervised warm start).
+`walkthrough` gives the engine's gold action sequence of the current game (e.g. for a supervised warm start).
 
 Anchor: a sha1 hex digest of the game's full state, the score and the sorted valid actions; never the move count.
 The observation and `look` + `inventory` are not exact: they hide closed containers' contents and other rooms. So
@@ -61,9 +61,8 @@ except ImportError as exc:
         "the TextWorldExpress environments need the textworld-express package: pip install 'gigpo-trl[textworld-express]'"
     ) from exc
 
-from gigpo_trl.envs import (
-    FOLDS, INFO_ADMISSIBLE_ACTIONS, INFO_ANCHOR, INFO_TASK, INFO_TASK_TYPE, INFO_WON, check_step_call,
-)
+from gigpo_trl.env_base import BaseTextEnv, is_int
+from gigpo_trl.envs import FOLDS, INFO_ADMISSIBLE_ACTIONS, INFO_ANCHOR, INFO_TASK, INFO_TASK_TYPE, INFO_WON
 
 GAMES = ("cookingworld", "coin", "twc", "mapreader", "arithmetic", "sorting", "simonsays", "peckingorder")
 # Where each game keeps its state (see the module docstring).
@@ -98,7 +97,7 @@ def state_anchor(world: Any, score: float, valid_actions: list[str]) -> str:
     return hashlib.sha1(text).hexdigest()
 
 
-class TextWorldExpressEnv:
+class TextWorldExpressEnv(BaseTextEnv):
     """A TextWorldExpress game with text observations and text actions (see the module docstring).
 
     Args:
@@ -119,21 +118,18 @@ class TextWorldExpressEnv:
         jvm_options: Sequence[str] = JVM_OPTIONS,
         **params: Any,
     ) -> None:
+        super().__init__(max_steps=max_steps)
         if game not in GAMES:
             raise ValueError(f"unknown TextWorldExpress game {game!r}; known: {list(GAMES)}")
-        if max_steps is not None and (not _is_int(max_steps) or max_steps < 1):
-            raise ValueError(f"max_steps must be None or an int >= 1, got {max_steps!r}")
         if shutil.which("java") is None:
             raise RuntimeError(JAVA_MISSING)
-        self.game, self.params, self.max_steps = game, _checked_params(params), max_steps
+        self.game, self.params = game, _checked_params(params)
         self.jvm_options = tuple(jvm_options)
         self._engine: Any = None  # textworld_express.TextWorldExpressEnv, started at the first reset
         self._loaded: tuple[str, str] | None = None  # (game, parameter string) the engine has loaded
         self._seed_folds: dict[str, dict[int, str]] = {}  # game -> seed -> its fold, in the engine's order
         self._seed_rng: random.Random | None = None
         self._episode: dict[str, Any] | None = None  # game, params, seed, fold of the current episode
-        self._elapsed_steps = 0
-        self._episode_over = False
 
     def fold_seeds(self, fold: str, game: str | None = None) -> list[int]:
         """The seeds of `fold` ("train", "dev" or "test") of `game` (default: this environment's game)."""
@@ -150,11 +146,9 @@ class TextWorldExpressEnv:
             self._seed_folds[game] = {seed: fold for fold, seeds in zip(FOLDS, fold_sets) for seed in seeds}
         return self._seed_folds[game]
 
-    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[str, dict[str, Any]]:
-        """Start an episode of the game of `seed`; returns `(observation, info)`."""
-        if options is not None and not isinstance(options, Mapping):
-            raise ValueError(f"options must be None or a dict of a game and parameters, got {type(options).__name__}")
-        options = dict(options or {})
+    def _reset(self, seed: int | None, options: dict[str, Any] | None) -> tuple[str, dict[str, Any]]:
+        """Start an episode of the game of `seed`."""
+        options = options or {}
         game = options.pop("game", self.game)
         if game not in GAMES:
             raise ValueError(f"unknown TextWorldExpress game {game!r} in options; known: {list(GAMES)}")
@@ -163,8 +157,6 @@ class TextWorldExpressEnv:
             if self._seed_rng is None:
                 self._seed_rng = random.Random()
             seed = self._seed_rng.choice(self.fold_seeds("train", game))
-        elif not _is_int(seed):
-            raise ValueError(f"seed must be None or an int, got {seed!r}")
         else:
             self._seed_rng = random.Random(seed)
         fold = self._folds_of(game).get(seed)
@@ -175,29 +167,24 @@ class TextWorldExpressEnv:
         self._load(game, params)
         observation, engine_info = self._engine.reset(seed=seed, gameFold=fold, generateGoldPath=True)
         self._episode = {"game": game, "params": params, "seed": seed, "fold": fold}
-        self._elapsed_steps, self._episode_over = 0, False
         info = self._info_of(engine_info)
         info.update(seed=seed, fold=fold)
         return observation.strip(), info
 
-    def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
-        """Send one action; returns `(observation, reward, terminated, truncated, info)`."""
-        check_step_call(reset_done=self._episode is not None, episode_over=self._episode_over, action=action)
+    def _step(self, action: str) -> tuple[str, float, bool, dict[str, Any]]:
         observation, reward, _, engine_info = self._engine.step(action)
-        self._elapsed_steps += 1
         terminated = bool(engine_info["tasksuccess"] or engine_info["taskfailure"])
-        truncated = self.max_steps is not None and self._elapsed_steps >= self.max_steps
-        self._episode_over = terminated or truncated
-        return observation.strip(), float(reward), terminated, truncated, self._info_of(engine_info)
+        return observation.strip(), reward, terminated, self._info_of(engine_info)
 
-    def gold_actions(self) -> list[str]:
-        """The engine's gold action sequence for the current game, from its first state."""
-        if self._episode is None:
-            raise RuntimeError("call reset() first: the gold actions are the current game's")
+    @property
+    def walkthrough(self) -> list[str]:
+        """The engine's gold action sequence of the current game, from its first state."""
+        self.require_reset("the walkthrough")
         return list(self._engine.getGoldActionSequence())
 
     def close(self) -> None:
         """Stop the JVM (a later `reset` starts a new one)."""
+        super().close()
         engine, self._engine, self._loaded, self._episode = self._engine, None, None, None
         if engine is not None:
             try:
@@ -257,10 +244,6 @@ def _start_engine(jvm_options: Sequence[str]) -> Any:
             os.environ["JAVA_TOOL_OPTIONS"] = previous
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _param_value(value: Any) -> Any:
     return int(value) if isinstance(value, bool) else value
 
@@ -269,6 +252,6 @@ def _checked_params(params: Mapping[str, Any]) -> dict[str, Any]:
     for name, value in params.items():
         if not isinstance(name, str) or not name.isidentifier():
             raise ValueError(f"a TextWorldExpress parameter name must be an identifier, got {name!r}")
-        if not (_is_int(value) or isinstance(value, bool)):
+        if not (is_int(value) or isinstance(value, bool)):
             raise ValueError(f"TextWorldExpress parameter {name} must be an int (or bool), got {value!r}")
     return dict(params)

@@ -48,7 +48,8 @@ import textworld
 import textworld.challenges
 import textworld.generator
 
-from gigpo_trl.envs import INFO_ADMISSIBLE_ACTIONS, INFO_ANCHOR, INFO_TASK, INFO_WON, check_step_call
+from gigpo_trl.env_base import BaseTextEnv
+from gigpo_trl.envs import INFO_ADMISSIBLE_ACTIONS, INFO_ANCHOR, INFO_TASK, INFO_WON
 from gigpo_trl.paths import cache_root
 
 DEFAULT_CHALLENGE = "treasure_hunter"
@@ -160,7 +161,7 @@ def default_cache_dir() -> Path:
     return cache_root() / "textworld"
 
 
-class TextWorldEnv:
+class TextWorldEnv(BaseTextEnv):
     """A TextWorld game with text observations and text actions (see the module docstring).
 
     Args:
@@ -191,40 +192,36 @@ class TextWorldEnv:
         cache_dir: str | os.PathLike[str] | None = None,
         **settings: Any,
     ) -> None:
+        super().__init__(max_steps=max_steps)
         if challenge not in DEFAULT_SETTINGS:
             raise ValueError(f"unknown TextWorld challenge {challenge!r}; known: {sorted(DEFAULT_SETTINGS)}")
         self.challenge = challenge
         self.settings = _checked_settings(challenge, DEFAULT_SETTINGS[challenge], settings)
-        if max_steps is not None and (not _is_int(max_steps) or max_steps < 1):
-            raise ValueError(f"max_steps must be None or an int >= 1, got {max_steps!r}")
-        self.max_steps = max_steps
         self.cache_dir = Path(cache_dir).expanduser().absolute() if cache_dir is not None else default_cache_dir()
         self._seed_rng: random.Random | None = None
         self._game: textworld.core.Environment | None = None  # the running interpreter
         self._game_file: Path | None = None
         self._state: textworld.GameState | None = None
-        self._elapsed_steps = 0
-        self._episode_over = False
+
+    seed_description = "an int in [0, 2**32)"
+
+    def seed_in_range(self, seed: int) -> bool:
+        return 0 <= seed < _MAX_SEED
 
     @property
     def walkthrough(self) -> list[str]:
-        """The commands that win the current game (TextWorld's walkthrough)."""
-        if self._state is None:
-            raise RuntimeError("call reset() first: the walkthrough is the current game's")
+        """The commands that win the current game from its start (TextWorld's walkthrough)."""
+        self.require_reset("the walkthrough")
         return list(self._state["game"].walkthrough)
 
-    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[str, dict[str, Any]]:
-        """Start an episode of the game of `seed` (generated on first use); returns `(observation, info)`."""
+    def _reset(self, seed: int | None, options: dict[str, Any] | None) -> tuple[str, dict[str, Any]]:
+        """Start an episode of the game of `seed` (generated on first use)."""
         if seed is None:
             if self._seed_rng is None:
                 self._seed_rng = random.Random()
             seed = self._seed_rng.randrange(_MAX_SEED)
-        elif not _is_int(seed) or not 0 <= seed < _MAX_SEED:
-            raise ValueError(f"seed must be None or an int in [0, 2**32), got {seed!r}")
         else:
             self._seed_rng = random.Random(seed)
-        if options is not None and not isinstance(options, Mapping):
-            raise ValueError(f"options must be None or a dict of settings, got {type(options).__name__}")
         settings = _checked_settings(self.challenge, self.settings, options or {})
 
         game_file = self._cached_game_file(settings, seed)
@@ -234,15 +231,12 @@ class TextWorldEnv:
             self._game.seed(_INTERPRETER_SEED)
             self._game_file = game_file
         self._state = self._game.reset()
-        self._elapsed_steps = 0
-        self._episode_over = False
         info = self._info()
         info["seed"] = seed
         return clean_observation(self._state.feedback), info
 
-    def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
-        """Send one command (sanitized first); returns `(observation, reward, terminated, truncated, info)`."""
-        check_step_call(reset_done=self._state is not None, episode_over=self._episode_over, action=action)
+    def _step(self, action: str) -> tuple[str, float, bool, dict[str, Any]]:
+        """Send one command, sanitized first."""
         command = sanitize_command(action)
         if command:
             score_before = self._state["score"]
@@ -251,14 +245,12 @@ class TextWorldEnv:
             reward = float(self._state["score"] - score_before)
         else:
             observation, reward = EMPTY_COMMAND_FEEDBACK, 0.0
-        self._elapsed_steps += 1
         terminated = bool(self._state["won"] or self._state["lost"])
-        truncated = self.max_steps is not None and self._elapsed_steps >= self.max_steps
-        self._episode_over = terminated or truncated
-        return observation, reward, terminated, truncated, self._info()
+        return observation, reward, terminated, self._info()
 
     def close(self) -> None:
         """Stop the interpreter (a later `reset` starts it again)."""
+        super().close()
         if self._game is not None:
             self._game.close()
         self._game = None
@@ -319,10 +311,6 @@ def _generate_game(challenge: str, settings: Mapping[str, Any], seed: int, game_
 # --------------------------------------------------------------------------------------------
 # Argument checks
 # --------------------------------------------------------------------------------------------
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _checked_settings(challenge: str, base: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:

@@ -16,6 +16,12 @@ whose observations and actions are strings plugs in unchanged:
     `task`               str, the goal text
     `task_type`          str, the kind of task (evaluation reports success per type)
 
+An environment may also give `walkthrough`: the actions that win the current task when played from its start
+(an expert's solution, e.g. for a supervised warm start or a test that the game can be won).
+
+The shipped environments derive from `gigpo_trl.env_base.BaseTextEnv`, which does the bookkeeping every
+environment shares (order of calls, step limit, argument checks); any object with the methods below fits.
+
 Tasks are seeds. An environment may define folds, `env.fold_seeds(fold) -> list[int]` for `fold` in
 "train", "dev", "test" (TextWorldExpress uses its engine's own folds); for one that does not, `fold_seeds` below
 uses disjoint seed ranges starting at `DEFAULT_FOLD_STARTS`.
@@ -58,17 +64,6 @@ DEFAULT_FOLD_STARTS = {"train": 0, "dev": 1_000_000, "test": 2_000_000}
 def anchor_of(observation: str, info: Mapping[str, Any]) -> Hashable:
     """The anchor key of a state: `info["anchor"]` when the environment gives one, else the observation."""
     return info.get(INFO_ANCHOR, observation)
-
-
-def check_step_call(reset_done: bool, episode_over: bool, action: object) -> None:
-    """The order the contract requires of callers, as gymnasium's OrderEnforcing: `step` comes after
-    `reset`, not after the episode ended, and takes a str. Raises RuntimeError / TypeError otherwise."""
-    if not reset_done:
-        raise RuntimeError("call reset() before step()")
-    if episode_over:
-        raise RuntimeError("the episode has ended (terminated or truncated); call reset() before step()")
-    if not isinstance(action, str):
-        raise TypeError(f"action must be a str, got {type(action).__name__}")
 
 
 # Name -> factory, or "module:attribute" of a factory imported on first use (keeps heavy

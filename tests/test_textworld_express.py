@@ -47,14 +47,14 @@ def play(env, actions):
 
 
 @pytest.mark.parametrize("game", GAMES)
-def test_the_gold_actions_win_every_game_with_rewards_summing_to_the_score(env_of, game):
+def test_the_walkthrough_wins_every_game_with_rewards_summing_to_the_score(env_of, game):
     env = env_of(game)
     observation, info = env.reset(seed=4)
     assert observation and info["fold"] == "train" and info["seed"] == 4 and not info["won"]
     assert info["task"] and info["admissible_actions"] == sorted(info["admissible_actions"])
     assert info["task_type"].startswith(game)
     total = 0.0
-    for action in env.gold_actions():
+    for action in env.walkthrough:
         assert action in info["admissible_actions"] or action == "look around", action
         observation, reward, terminated, truncated, info = env.step(action)
         total += reward
@@ -178,14 +178,14 @@ def test_simonsays_each_step_of_the_sequence_has_its_own_anchor(env_of):
     env = env_of("simonsays")
     _, info = env.reset(seed=2)
     anchors = [info["anchor"]]
-    for action in env.gold_actions():
+    for action in env.walkthrough:
         anchors.append(env.step(action)[4]["anchor"])
     assert len(set(anchors)) == len(anchors)
 
 
 def test_the_same_seed_gives_the_same_anchors_in_another_process_s_jvm(env_of):
     first, second = env_of("mapreader"), env_of("mapreader")
-    path = first.reset(seed=10001) and first.gold_actions()
+    path = first.reset(seed=10001) and first.walkthrough
     second.reset(seed=10001)
     assert [first.step(a)[4]["anchor"] for a in path] == [second.step(a)[4]["anchor"] for a in path]
 
