@@ -1,7 +1,7 @@
 """`check_env`: tells an environment author precisely what does not fit the contract of `gigpo_trl.envs`.
 
 Hard violations raise `EnvCheckError` (a ValueError) naming the problem; things that are legal but
-probably wrong (rewards that look cumulative, steps that do not replay) give a `UserWarning`.
+probably wrong (rewards that look cumulative, steps that do not replay) give an `EnvCheckWarning`.
 """
 
 from __future__ import annotations
@@ -17,6 +17,10 @@ from gigpo_trl.envs import INFO_ADMISSIBLE_ACTIONS, INFO_ANCHOR, INFO_TASK, INFO
 
 class EnvCheckError(ValueError):
     """The environment breaks the contract of `gigpo_trl.envs`."""
+
+
+class EnvCheckWarning(UserWarning):
+    """The environment keeps the contract but probably not as meant (e.g. its rewards look cumulative)."""
 
 
 def check_env(env: TextEnv, *, seed: int = 0, options: dict[str, Any] | None = None, num_steps: int = 20) -> None:
@@ -54,7 +58,7 @@ def check_env(env: TextEnv, *, seed: int = 0, options: dict[str, Any] | None = N
         warnings.warn(
             "replaying the same actions after the same reset gave different observations or rewards: transitions are "
             "stochastic. That is allowed, but copies of a task then share fewer states.",
-            UserWarning,
+            EnvCheckWarning,
             stacklevel=2,
         )
     env.close()
@@ -88,11 +92,12 @@ def _play(env: TextEnv, info: Mapping[str, Any], num_steps: int, actions: list[s
             if not _is_bool(flag):
                 raise EnvCheckError(f"{where} returned {name}={flag!r}: it must be a bool")
         score = info.get("score")
-        if isinstance(score, numbers.Real) and previous_score is not None and score != previous_score and reward == score:
+        if (isinstance(score, numbers.Real) and previous_score is not None and score != previous_score
+                and reward == score and reward != score - previous_score):
             warnings.warn(
                 f"{where}: the reward equals info['score'] ({score}) although the score changed by {score - previous_score}: "
                 "rewards look cumulative. The reward must be the reward of this step (e.g. the score difference).",
-                UserWarning,
+                EnvCheckWarning,
                 stacklevel=3,
             )
         previous_score = score if isinstance(score, numbers.Real) else previous_score

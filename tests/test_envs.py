@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import warnings
+
 import gymnasium
 import pytest
 from toy_envs import Corridor, GuessTheNumber, UnseededCorridor
 
-from gigpo_trl.env_checker import EnvCheckError, check_env
-from gigpo_trl.env_pool import EnvPool, Task
+from gigpo_trl.env_checker import EnvCheckError, EnvCheckWarning, check_env
+from gigpo_trl.env_pool import EnvPool
 from gigpo_trl.envs import anchor_of, env_factory, fold_seeds, make_env, register_env, registered_envs
+from gigpo_trl.tasks import Task
 
 gymnasium.register(id="GuessTheNumber-v0", entry_point=GuessTheNumber)
 
@@ -125,5 +128,20 @@ class _CumulativeScore(Corridor):
 
 
 def test_check_env_warns_about_cumulative_rewards():
-    with pytest.warns(UserWarning, match="rewards look cumulative"):
+    with pytest.warns(EnvCheckWarning, match="rewards look cumulative"):
         check_env(_CumulativeScore(), options={"length": 10})
+
+
+class _ScoreDifference(_CumulativeScore):
+    """Rewards the score difference, as the contract asks; the first point's reward equals the score."""
+
+    def step(self, action):
+        before = self.score
+        observation, _, terminated, truncated, info = super().step(action)
+        return observation, float(self.score - before), terminated, truncated, info
+
+
+def test_check_env_accepts_a_first_reward_equal_to_the_score_it_raised():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", EnvCheckWarning)
+        check_env(_ScoreDifference(), options={"length": 10})
