@@ -15,8 +15,9 @@ import argparse
 import random
 import time
 
-from gigpo_trl.env_pool import EnvPool, Task
+from gigpo_trl.env_pool import EnvPool
 from gigpo_trl.envs import env_factory
+from gigpo_trl.tasks import Task
 
 ENVIRONMENTS = {
     "textworld cooking": ("textworld", {"challenge": "cooking"}),

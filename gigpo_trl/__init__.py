@@ -7,19 +7,20 @@ from importlib import import_module
 from typing import Any
 
 from gigpo_trl.advantages import GiGPOAdvantages, StepGroupStats, compute_gigpo_advantages
-from gigpo_trl.env_checker import EnvCheckError, check_env
-from gigpo_trl.env_pool import EnvPool, Task
+from gigpo_trl.env_checker import EnvCheckError, EnvCheckWarning, check_env
+from gigpo_trl.env_pool import EnvPool
 from gigpo_trl.envs import fold_seeds, make_env, register_env, registered_envs
 from gigpo_trl.models import EMBEDDED_MODEL
+from gigpo_trl.tasks import Task, TaskArguments, task_dataset
 
 __version__ = "0.1.0"
 __all__ = [
-    "EMBEDDED_MODEL", "EnvCheckError", "EnvPool", "GiGPOAdvantages", "GiGPOConfig", "GiGPOTrainer", "StepGroupStats",
-    "Task", "check_env", "compute_gigpo_advantages", "fold_seeds", "make_env", "register_env", "registered_envs",
-    "task_dataset",
+    "EMBEDDED_MODEL", "EnvCheckError", "EnvCheckWarning", "EnvPool", "GiGPOAdvantages", "GiGPOConfig", "GiGPOTrainer", "StepGroupStats",
+    "Task", "TaskArguments", "check_env", "compute_gigpo_advantages", "fold_seeds", "make_env", "register_env",
+    "registered_envs", "task_dataset",
 ]
 
-_LAZY = {"GiGPOConfig": "gigpo_trl.config", "GiGPOTrainer": "gigpo_trl.trainer", "task_dataset": "gigpo_trl.trainer"}
+_LAZY = {"GiGPOConfig": "gigpo_trl.config", "GiGPOTrainer": "gigpo_trl.trainer"}
 
 
 def __getattr__(name: str) -> Any:

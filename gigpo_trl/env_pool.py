@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gigpo_trl.envs import TextEnv, anchor_of
+from gigpo_trl.tasks import Task
 
 INFO_ENV_ERROR = "env_error"
 
@@ -49,14 +50,6 @@ class EnvOutput:
     @property
     def anchor(self) -> Any:
         return anchor_of(self.observation, self.info)
-
-
-@dataclass(frozen=True)
-class Task:
-    """One task of a batch: every copy of it is reset with this seed and these options."""
-
-    seed: int | None
-    options: dict[str, Any] | None = None
 
 
 class EnvPool:

@@ -1,0 +1,91 @@
+"""Tasks: what a dataset row of `GiGPOTrainer` is, how a batch of rows becomes the tasks of a rollout, and which
+tasks a recipe trains and evaluates on.
+
+A task is a `seed` and optional `options`, passed to `env.reset(seed=..., options=...)`. A training batch holds
+`num_generations` consecutive copies of each task row (TRL's `RepeatSampler`), which become one `Task` played by
+that many identically-seeded environments. Nothing here imports TRL: building a task dataset is cheap.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from gigpo_trl.envs import EnvFactory, fold_seeds
+
+if TYPE_CHECKING:
+    from datasets import Dataset
+
+
+@dataclass(frozen=True)
+class Task:
+    """One task of a batch: every copy of it is reset with this seed and these options."""
+
+    seed: int | None
+    options: dict[str, Any] | None = None
+
+
+def task_dataset(seeds: Sequence[int], options: Sequence[dict[str, Any] | None] | None = None) -> Dataset:
+    """A dataset of tasks: one row per task, with its `seed` and (JSON-encoded) `options`."""
+    from datasets import Dataset  # noqa: PLC0415 (`import gigpo_trl` stays light)
+
+    options = options if options is not None else [None] * len(seeds)
+    if len(options) != len(seeds):
+        raise ValueError(f"got {len(seeds)} seeds but {len(options)} options")
+    return Dataset.from_dict({"seed": list(seeds), "options": [json.dumps(o) if o is not None else "" for o in options]})
+
+
+def tasks_from_rows(rows: Sequence[dict[str, Any]], group_size: int) -> list[Task]:
+    """The tasks of a batch of dataset rows, which holds `group_size` consecutive copies of each task."""
+    if len(rows) % group_size:
+        raise RuntimeError(f"a batch of {len(rows)} rows cannot hold whole groups of {group_size} copies")
+    tasks = []
+    for start in range(0, len(rows), group_size):
+        copies = [(row.get("seed"), options_of(row)) for row in rows[start : start + group_size]]
+        if any(copy != copies[0] for copy in copies):
+            raise RuntimeError(
+                f"rows {start}..{start + group_size - 1} of the batch should be {group_size} copies of one task, got "
+                f"{copies}; the copies of a task were split across processes (check per_device_train_batch_size, "
+                "steps_per_generation and num_generations)"
+            )
+        tasks.append(Task(seed=copies[0][0], options=copies[0][1]))
+    return tasks
+
+
+def options_of(row: dict[str, Any]) -> dict[str, Any] | None:
+    """The reset options of a dataset row: its `options` column as a dict (a JSON object string is decoded)."""
+    options = row.get("options")
+    if options is None or options == "":
+        return None
+    if isinstance(options, str):
+        try:
+            options = json.loads(options)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"task options must be a dict or a JSON object string, got {options!r}: {exc}") from None
+    if not isinstance(options, dict):
+        raise ValueError(f"task options must be a dict, got {type(options).__name__}")
+    return options
+
+
+@dataclass
+class TaskArguments:
+    """Which tasks a recipe trains and evaluates on: seeds of the folds of the environment (`env_name`,
+    `env_kwargs`), see `gigpo_trl.fold_seeds`. The held-out panel is fixed by `eval_fold` and `num_eval_tasks`
+    alone, so every run is evaluated on the same tasks whatever its seed, batch sizes or number of processes.
+    Parsed by TRL's `TrlParser` beside `GiGPOConfig` and `ModelConfig` (`recipes/train_gigpo.py`, the benches)."""
+
+    num_train_tasks: int = field(default=1000, metadata={"help": "Training tasks: the first N seeds of the train fold."})
+    num_eval_tasks: int = field(
+        default=0, metadata={"help": "Held-out tasks evaluated before and after training: the first N seeds of "
+                             "eval_fold (0: no evaluation)."}
+    )
+    eval_fold: str = field(default="dev", metadata={"help": "Fold of the held-out tasks: 'dev' or 'test'."})
+
+    def datasets(self, env: str | EnvFactory, env_kwargs: dict[str, Any]) -> tuple[Dataset, Dataset | None]:
+        """The training tasks and the held-out panel (None without evaluation) of `make_env(env, **env_kwargs)`."""
+        train = task_dataset(fold_seeds(env, "train", self.num_train_tasks, **env_kwargs))
+        if not self.num_eval_tasks:
+            return train, None
+        return train, task_dataset(fold_seeds(env, self.eval_fold, self.num_eval_tasks, **env_kwargs))
