@@ -39,13 +39,13 @@ MEMORY_TOKENS = 32  # completion tokens per sample
 def bench_rollout(model: str, num_tasks: int, group_size: int, turns: int, tokens: int, repeats: int,
                   history_length: int, use_vllm: bool = False) -> dict:
     """Time the multi-turn rollout against one batched generation of as many tokens; prints and returns the figures."""
+    import torch
+
     from gigpo_trl.config import GiGPOConfig
-    from gigpo_trl.env_pool import Task
     from gigpo_trl.prompts import build_messages
     from gigpo_trl.rollout import collect_rollout
-    from gigpo_trl.trainer import GiGPOTrainer, task_dataset
-
-    import torch
+    from gigpo_trl.tasks import Task, task_dataset
+    from gigpo_trl.trainer import GiGPOTrainer
 
     # Answers of exactly `tokens` tokens: HF generate's and vLLM's names for the lower bound differ.
     backend = {"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.3} if use_vllm else {}
@@ -116,28 +116,22 @@ def bench_rollout(model: str, num_tasks: int, group_size: int, turns: int, token
     }
 
 
-RECIPES = Path(__file__).resolve().parent.parent / "recipes"
-
-
 def bench_iterations(config_path: str, iterations: int, model: str | None = None) -> list[dict]:
     """Train `iterations` iterations of a recipe config; prints and returns each one's timing and shares."""
     from trl import ModelConfig, TrlParser
 
     from gigpo_trl.config import GiGPOConfig
-    from gigpo_trl.envs import fold_seeds
     from gigpo_trl.models import EMBEDDED_MODEL
-    from gigpo_trl.trainer import GiGPOTrainer, task_dataset
-
-    if str(RECIPES) not in sys.path:
-        sys.path.insert(0, str(RECIPES))
-    from train_gigpo import TaskArguments  # the recipe script's own arguments: the config parses as it does there
+    from gigpo_trl.tasks import TaskArguments  # the recipe script's arguments: the config parses as it does there
+    from gigpo_trl.trainer import GiGPOTrainer
 
     overrides = ["--output_dir", tempfile.mkdtemp(), "--max_steps", str(iterations + 1), "--eval_strategy", "no",
                  "--report_to", "none", "--disable_tqdm", "true", "--log_trajectories", "0"]
     task_args, config, model_args = TrlParser((TaskArguments, GiGPOConfig, ModelConfig)).parse_args_and_config(
         args=["--config", config_path, *overrides])
     model = model or model_args.model_name_or_path or EMBEDDED_MODEL
-    tasks = task_dataset(fold_seeds(config.env_name, "train", task_args.num_train_tasks, **config.env_kwargs))
+    task_args.num_eval_tasks = 0  # no evaluation
+    tasks, _ = task_args.datasets(config.env_name, config.env_kwargs)
     trainer = GiGPOTrainer(model, args=config, train_dataset=tasks)
     trainer.train()
     trainer.close_environments()
@@ -192,7 +186,8 @@ def update_peak_memory(trainer_kind: str, model: str, output_dir: str) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     from gigpo_trl.config import GiGPOConfig
-    from gigpo_trl.trainer import GiGPOTrainer, task_dataset
+    from gigpo_trl.tasks import task_dataset
+    from gigpo_trl.trainer import GiGPOTrainer
 
     shared = dict(output_dir=output_dir, max_steps=1, max_completion_length=MEMORY_TOKENS, report_to=[],
                   save_strategy="no", gradient_checkpointing=False, bf16=torch.cuda.is_available(),

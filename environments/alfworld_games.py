@@ -69,7 +69,15 @@ except ImportError as exc:
 from tqdm.auto import tqdm
 
 from gigpo_trl.env_base import BaseTextEnv
-from gigpo_trl.envs import DEFAULT_FOLD_STARTS, FOLDS, INFO_ADMISSIBLE_ACTIONS, INFO_ANCHOR, INFO_TASK, INFO_TASK_TYPE, INFO_WON
+from gigpo_trl.envs import (
+    DEFAULT_FOLD_STARTS,
+    FOLDS,
+    INFO_ADMISSIBLE_ACTIONS,
+    INFO_ANCHOR,
+    INFO_TASK,
+    INFO_TASK_TYPE,
+    INFO_WON,
+)
 from gigpo_trl.paths import cache_root
 
 DATA_ENV_VAR = "ALFWORLD_DATA"

@@ -52,6 +52,39 @@ class StepGroupStats:
     step_advantage_mean: float
     step_advantage_std: float
 
+    @classmethod
+    def combine(cls, parts: Sequence[StepGroupStats]) -> StepGroupStats:
+        """The statistics of the union of disjoint sets of rows (e.g. the rollouts of several processes), from the
+        statistics of each set alone: counts add up, maxima are maxima, shares and means are weighted by the step
+        groups or rows behind them, and standard deviations (ddof 0) pool each set's variance and the spread of its
+        mean around the whole mean, `sum_i n_i (std_i^2 + (mean_i - mean)^2) / n`. Exact up to rounding."""
+        parts = [part for part in parts if part.num_rows]
+        if not parts:
+            return _empty_result().stats
+        rows = np.array([part.num_rows for part in parts], dtype=np.float64)
+        groups = np.array([part.num_step_groups for part in parts], dtype=np.float64)
+
+        def pooled(mean: str, std: str) -> tuple[float, float]:
+            means = np.array([getattr(part, mean) for part in parts])
+            stds = np.array([getattr(part, std) for part in parts])
+            total_mean = float(rows @ means / rows.sum())
+            return total_mean, float(np.sqrt(rows @ (stds**2 + (means - total_mean) ** 2) / rows.sum()))
+
+        episode_mean, episode_std = pooled("episode_advantage_mean", "episode_advantage_std")
+        step_mean, step_std = pooled("step_advantage_mean", "step_advantage_std")
+        return cls(
+            num_rows=int(rows.sum()),
+            num_step_groups=int(groups.sum()),
+            singleton_share=float(groups @ [part.singleton_share for part in parts] / groups.sum()),
+            step_group_size_mean=float(rows.sum() / groups.sum()),
+            step_group_size_max=max(part.step_group_size_max for part in parts),
+            nonzero_step_advantage_share=float(rows @ [part.nonzero_step_advantage_share for part in parts] / rows.sum()),
+            episode_advantage_mean=episode_mean,
+            episode_advantage_std=episode_std,
+            step_advantage_mean=step_mean,
+            step_advantage_std=step_std,
+        )
+
     def as_metrics(self, prefix: str = "gigpo/") -> dict[str, float]:
         """The statistics as a flat `{prefix + name: float}` dict, ready for a logger."""
         return {prefix + f.name: float(getattr(self, f.name)) for f in fields(self)}

@@ -48,21 +48,19 @@ def iteration_record(step: int, mode: str, rollout: int, metrics: dict[str, floa
 
 def episode_records(rollout: Rollout, gigpo: GiGPOAdvantages, limit: int) -> list[dict[str, Any]]:
     """The first `limit` episodes of a rollout with their steps and advantages, for the trajectory viewer."""
-    rows_of = {}
-    for row, sample in enumerate(rollout.steps):
-        rows_of.setdefault(sample.trajectory, []).append(row)
+    samples = rollout.steps
     records = []
     for episode in rollout.episodes[:limit]:
-        steps = []
-        for row in rows_of.get(episode.trajectory, []):
-            sample = rollout.steps[row]
-            steps.append({
-                "step": sample.step, "observation": sample.observation, "completion": sample.completion.text,
-                "action": sample.action, "valid": sample.valid, "reward": sample.reward,
-                "step_group_size": int(gigpo.step_group_sizes[row]),
+        steps = [
+            {
+                "step": samples.step[row], "observation": samples.observation[row],
+                "completion": samples.completion[row].text, "action": samples.action[row], "valid": samples.valid[row],
+                "reward": samples.reward[row], "step_group_size": int(gigpo.step_group_sizes[row]),
                 "episode_advantage": float(gigpo.episode_advantages[row]),
                 "step_advantage": float(gigpo.step_advantages[row]), "advantage": float(gigpo.advantages[row]),
-            })
+            }
+            for row in samples.rows_of(episode.trajectory)
+        ]
         records.append({
             "group": episode.group, "trajectory": episode.trajectory, "seed": episode.seed, "length": episode.length,
             "return": episode.episode_return, "won": episode.won, "truncated": episode.truncated,

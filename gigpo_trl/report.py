@@ -20,6 +20,7 @@ import numpy as np
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
+from transformers import TrainerCallback
 
 from gigpo_trl.records import RECORDS_DIR, read_evaluations, read_iterations, read_trajectories
 
@@ -374,6 +375,14 @@ tr.invalid { background: #fff3f3; }
 # ------------------------------------------------------------------------------------------
 # Command line.
 # ------------------------------------------------------------------------------------------
+
+
+class ReportCallback(TrainerCallback):
+    """Draws the run report into output_dir/report when training ends (`GiGPOTrainer` adds it)."""
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.is_world_process_zero:
+            write_report(args.output_dir)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -16,10 +16,11 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from gigpo_trl.env_pool import INFO_ENV_ERROR, EnvOutput, EnvPool, Task
+from gigpo_trl.env_pool import INFO_ENV_ERROR, EnvOutput, EnvPool
 from gigpo_trl.envs import INFO_ADMISSIBLE_ACTIONS, INFO_TASK, INFO_TASK_TYPE, INFO_WON
 from gigpo_trl.parsing import parse_action
 from gigpo_trl.prompts import PromptTemplate, build_messages
+from gigpo_trl.tasks import Task
 
 Messages = list[dict[str, str]]
 # Sent by a process that has no live environment in a turn where others still play.
@@ -41,19 +42,35 @@ TurnGenerator = Callable[[list[Messages]], list[Completion]]
 
 
 @dataclass
-class StepSample:
-    """One step of one trajectory: one training sample."""
+class StepColumns:
+    """The step samples of a rollout as columns: entry k of every column is sample k, in rollout order (turn by
+    turn, environment by environment). Each sample is one (state, action) step of one trajectory, one training
+    sample; every consumer (advantages, update batch, metrics, logs, records) reads these columns."""
 
-    group: int  # task group (index of the task in the batch)
-    trajectory: int  # environment index in the pool
-    step: int  # t, 0-based
-    anchor: Hashable  # state the action was taken in
-    observation: str
-    prompt: Messages  # the chat messages the answer was generated from
-    completion: Completion
-    action: str  # what the environment received
-    valid: bool  # the answer followed the <action> format
-    reward: float  # r_t, the reward received after the action
+    group: list[int] = field(default_factory=list)  # task group (index of the task in the batch)
+    trajectory: list[int] = field(default_factory=list)  # environment index in the pool
+    step: list[int] = field(default_factory=list)  # t, 0-based
+    anchor: list[Hashable] = field(default_factory=list)  # state the action was taken in
+    observation: list[str] = field(default_factory=list)
+    prompt: list[Messages] = field(default_factory=list)  # the chat messages the answer was generated from
+    completion: list[Completion] = field(default_factory=list)
+    action: list[str] = field(default_factory=list)  # what the environment received
+    valid: list[bool] = field(default_factory=list)  # the answer followed the <action> format
+    reward: list[float] = field(default_factory=list)  # r_t, the reward received after the action
+
+    def __len__(self) -> int:
+        return len(self.group)
+
+    def append(self, **sample: Any) -> None:
+        """Add one sample: a value for every column, by name."""
+        if sample.keys() != self.__dataclass_fields__.keys():
+            raise ValueError(f"a step sample needs exactly the columns {sorted(self.__dataclass_fields__)}")
+        for name, value in sample.items():
+            getattr(self, name).append(value)
+
+    def rows_of(self, trajectory: int) -> list[int]:
+        """The samples of one trajectory, in step order."""
+        return [row for row, t in enumerate(self.trajectory) if t == trajectory]
 
 
 @dataclass
@@ -75,7 +92,9 @@ class Episode:
 
 @dataclass
 class Rollout:
-    steps: list[StepSample] = field(default_factory=list)
+    """The step samples of a rollout, what happened to each trajectory, and the rollout's costs."""
+
+    steps: StepColumns = field(default_factory=StepColumns)
     episodes: list[Episode] = field(default_factory=list)
     generate_calls: int = 0
     generated_tokens: int = 0
@@ -111,7 +130,7 @@ def collect_rollout(
         show_progress: a progress bar over turns.
 
     Returns:
-        The step samples, one `Episode` per environment, and timing and token counts.
+        The step samples (as columns), one `Episode` per environment, and timing and token counts.
     """
     rollout = Rollout()
     started = time.perf_counter()
@@ -162,11 +181,9 @@ def collect_rollout(
         for i, prompt, completion in zip(live, prompts, completions):
             result, episode = results[i], episodes[i]
             rollout.steps.append(
-                StepSample(
-                    group=episode.group, trajectory=i, step=t, anchor=current[i].anchor,
-                    observation=current[i].observation, prompt=prompt, completion=completion,
-                    action=parsed[i].action, valid=parsed[i].valid, reward=result.reward,
-                )
+                group=episode.group, trajectory=i, step=t, anchor=current[i].anchor,
+                observation=current[i].observation, prompt=prompt, completion=completion,
+                action=parsed[i].action, valid=parsed[i].valid, reward=result.reward,
             )
             histories[i].append((current[i].observation, parsed[i].action))
             episode.length += 1

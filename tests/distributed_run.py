@@ -19,7 +19,7 @@ from toy_envs import BadAnchorOnRank1, Corridor
 
 from gigpo_trl.config import GiGPOConfig
 from gigpo_trl.envs import register_env
-from gigpo_trl.trainer import task_dataset
+from gigpo_trl.tasks import task_dataset
 
 TRAJECTORIES = 8  # per rollout, over all processes: 4 tasks x 2 copies
 

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from bench.bench_advantages import naive_gigpo_advantages
 from gigpo_trl.advantages import (
     EPSILON,
+    StepGroupStats,
     anchor_step_groups,
     compute_gigpo_advantages,
     discounted_returns,
@@ -168,6 +169,27 @@ def test_step_group_stats_describe_the_pass():
     assert stats.step_advantage_mean == pytest.approx(np.mean(out.step_advantages))
     metrics = stats.as_metrics()
     assert metrics["gigpo/singleton_share"] == 0.5 and all(isinstance(v, float) for v in metrics.values())
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=step_rows(), options=OPTIONS)
+def test_the_stats_of_processes_combine_into_the_stats_of_the_whole_rollout(rows, options):
+    # Each task group on one "process" (groups never cross processes), some processes without rows.
+    groups = sorted({r["group"] for r in rows})
+    parts = [[r for r in rows if r["group"] == g] for g in groups] + [[]]
+    whole = compute_gigpo_advantages(**columns(rows), **options).stats
+    combined = StepGroupStats.combine([compute_gigpo_advantages(**columns(part), **options).stats for part in parts])
+
+    assert (combined.num_rows, combined.num_step_groups, combined.step_group_size_max) == (
+        whole.num_rows, whole.num_step_groups, whole.step_group_size_max)
+    for name in ("singleton_share", "step_group_size_mean", "nonzero_step_advantage_share", "episode_advantage_mean",
+                 "episode_advantage_std", "step_advantage_mean", "step_advantage_std"):
+        assert getattr(combined, name) == pytest.approx(getattr(whole, name), rel=1e-9, abs=1e-9), name
+
+
+def test_the_combined_stats_of_no_rows_are_empty():
+    empty = compute_gigpo_advantages([], [], [], [], []).stats
+    assert StepGroupStats.combine([empty, empty]) == empty == StepGroupStats.combine([])
 
 
 def test_tuple_keys_are_single_keys():

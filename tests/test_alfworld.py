@@ -17,13 +17,18 @@ pytest.importorskip("alfworld", reason="needs the alfworld extra: pip install 'g
 from scripted_policy import ScriptedTrainer  # noqa: E402
 
 from gigpo_trl.config import GiGPOConfig  # noqa: E402
-from gigpo_trl.env_checker import check_env  # noqa: E402
-from gigpo_trl.env_pool import EnvPool, Task  # noqa: E402
+from gigpo_trl.env_pool import EnvPool  # noqa: E402
+from gigpo_trl.environments.alfworld_games import (  # noqa: E402
+    BANNER,
+    TASK_TYPES,
+    AlfWorldEnv,
+    unread_predicates,
+)
 from gigpo_trl.envs import env_factory, fold_seeds, make_env  # noqa: E402
 from gigpo_trl.records import read_evaluations, read_iterations, read_trajectories  # noqa: E402
-from gigpo_trl.trainer import task_dataset  # noqa: E402
-from gigpo_trl.environments.alfworld_games import (  # noqa: E402
-    BANNER, TASK_TYPES, AlfWorldEnv, unread_predicates,
+from gigpo_trl.tasks import (
+    Task,  # noqa: E402
+    task_dataset,  # noqa: E402
 )
 
 DATA = Path(__file__).resolve().parent / "data" / "alfworld"
@@ -193,10 +198,6 @@ def test_the_game_list_is_cached_and_rebuilt_when_a_game_changes(tmp_path):
     assert make_env("alfworld", data_dir=data, cache_dir=cache).fold_seeds("dev") == []
     game.write_text(json.dumps({**json.loads(game.read_text()), "solvable": True}))
     assert make_env("alfworld", data_dir=data, cache_dir=cache).fold_seeds("dev") == [1_000_000]
-
-
-def test_check_env_accepts_the_environment(env):
-    check_env(env)
 
 
 def test_a_pool_of_worker_processes_plays_the_copies_of_a_task_alike():

@@ -5,9 +5,9 @@
 from __future__ import annotations
 
 import json
-import time
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest

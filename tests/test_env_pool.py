@@ -8,7 +8,8 @@ import warnings
 import pytest
 from toy_envs import Corridor, FailingReset, FragileCorridor, UnseededCorridor
 
-from gigpo_trl.env_pool import INFO_ENV_ERROR, EnvPool, GroupStartMismatchWarning, Task
+from gigpo_trl.env_pool import INFO_ENV_ERROR, EnvPool, GroupStartMismatchWarning
+from gigpo_trl.tasks import Task
 
 pytestmark = pytest.mark.timeout(120)
 

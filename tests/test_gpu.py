@@ -11,7 +11,8 @@ import torch
 
 from bench.gpu_check import deepspeed_launcher, run_worker, train_once
 from gigpo_trl.config import GiGPOConfig
-from gigpo_trl.trainer import GiGPOTrainer, task_dataset
+from gigpo_trl.tasks import task_dataset
+from gigpo_trl.trainer import GiGPOTrainer
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vllm (pip install -e .[vllm])")

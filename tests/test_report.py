@@ -20,7 +20,7 @@ from toy_envs import Corridor
 from gigpo_trl.config import GiGPOConfig
 from gigpo_trl.records import read_evaluations, read_iterations, read_trajectories
 from gigpo_trl.report import write_report
-from gigpo_trl.trainer import task_dataset
+from gigpo_trl.tasks import task_dataset
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -14,7 +14,6 @@ import textworld
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gigpo_trl.env_checker import check_env
 from gigpo_trl.environments.textworld_games import (
     EMPTY_COMMAND_FEEDBACK,
     MAX_COMMAND_LENGTH,
@@ -441,11 +440,6 @@ def test_a_sanitized_command_is_one_short_printable_line_and_sanitizing_again_ch
 # --------------------------------------------------------------------------------------------
 # The contract, steps and arguments
 # --------------------------------------------------------------------------------------------
-
-
-def test_it_passes_check_env(cache_dir: Path) -> None:
-    check_env(TextWorldEnv(cache_dir=cache_dir), seed=GAMES["treasure_hunter"].seed)
-
 
 def test_make_env_builds_it_by_name(cache_dir: Path) -> None:
     env = make_env("textworld", cache_dir=cache_dir)

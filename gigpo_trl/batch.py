@@ -1,0 +1,142 @@
+"""From step samples to the batch TRL's loss consumes: which samples become rows, padding, tensors, and vLLM's
+importance-sampling ratio.
+
+Every process must hand the loss the same number of rows, divisible by `steps_per_generation` (TRL splits the batch
+into that many micro-batches and runs collective forward passes under ZeRO-3/FSDP). A process with fewer samples
+pads with copies of its own rows whose loss weight (`tool_mask`) and advantage are 0, added after the advantages
+were computed, so they change neither the group statistics nor, for the allowed loss types, the gradient.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Collection, Sequence
+from typing import Any
+
+import torch
+from trl.trainer.utils import pad
+
+from gigpo_trl.rollout import Completion
+
+
+def rows_for_update(num_samples: int, *, chunks: int, bound: int | None, draw_seed: str,
+                    max_across_processes: Callable[[int], int]) -> tuple[list[int], list[float], int]:
+    """Which samples form this process's rows, and their loss weights.
+
+    Args:
+        num_samples: this process's step samples.
+        chunks: the micro-batches the rows are split into (`steps_per_generation`; 1 for evaluation).
+        bound: at most `chunks * bound` samples are kept, drawn uniformly (`max_step_samples_per_micro_batch`);
+            None keeps all.
+        draw_seed: seeds the draw (the run's seed, step and process: reproducible, different per process).
+        max_across_processes: the maximum of an int over all processes.
+
+    Returns:
+        (row -> sample index, row weights: 1 for samples, 0 for padding rows, number of samples left out). The row
+        count is the same on every process: the largest kept count (at least 1), rounded up to a multiple of `chunks`.
+    """
+    kept = list(range(num_samples))
+    if bound is not None and num_samples > chunks * bound:
+        kept = sorted(random.Random(draw_seed).sample(kept, chunks * bound))
+    num_rows = max(max_across_processes(len(kept)), 1)
+    num_rows = -(-num_rows // chunks) * chunks
+    padding = [kept[k % len(kept)] if kept else 0 for k in range(num_rows - len(kept))]
+    return kept + padding, [1.0] * len(kept) + [0.0] * len(padding), num_samples - len(kept)
+
+
+def padded_batch(completions: Sequence[Completion], weights: Sequence[float], advantages: Sequence[float], *,
+                 pad_token_id: int, pad_to_multiple_of: int | None, truncation_end_ids: Collection[int] | None,
+                 device: torch.device | str) -> dict[str, torch.Tensor]:
+    """The rows as GRPOTrainer's loss reads them: prompts left-padded, answers right-padded.
+
+    Args:
+        completions, weights, advantages: one per row; a row's loss weight (1 real, 0 padding) is its `tool_mask`.
+        truncation_end_ids: None, or the tokens that end an answer: then an answer whose last token is not one of
+            them was cut at `max_completion_length` and gets no loss (`mask_truncated_completions`).
+
+    Returns:
+        `prompt_ids`, `prompt_mask` (B, P); `completion_ids`, `completion_mask`, `tool_mask` (B, C) long;
+        `advantages` (B,) float32; and `sampling_per_token_logps` (B, C) when every row has its sampling log-probs.
+    """
+    prompt_ids = [torch.tensor(c.prompt_ids) for c in completions]
+    completion_ids = [torch.tensor(c.completion_ids) for c in completions]
+    prompt_mask = pad([torch.ones_like(t) for t in prompt_ids], 0, "left", pad_to_multiple_of).to(device)
+    completion_mask = pad([torch.ones_like(t) for t in completion_ids], 0, "right", pad_to_multiple_of).to(device)
+    if truncation_end_ids is not None:
+        finished = torch.tensor([c.completion_ids[-1] in truncation_end_ids for c in completions], device=device)
+        completion_mask = completion_mask * finished.unsqueeze(1).int()
+    batch = {
+        "prompt_ids": pad(prompt_ids, pad_token_id, "left", pad_to_multiple_of).to(device),
+        "prompt_mask": prompt_mask,
+        "completion_ids": pad(completion_ids, pad_token_id, "right", pad_to_multiple_of).to(device),
+        "completion_mask": completion_mask,
+        # (B, C): the row's loss weight on every token
+        "tool_mask": torch.tensor(weights, device=device).long().unsqueeze(1).expand_as(completion_mask).contiguous(),
+        "advantages": torch.tensor(advantages, dtype=torch.float32, device=device),
+    }
+    if all(c.logprobs is not None for c in completions):
+        logprobs = [torch.tensor(c.logprobs, dtype=torch.float32) for c in completions]
+        batch["sampling_per_token_logps"] = pad(logprobs, 0.0, "right", pad_to_multiple_of).to(device)
+    return batch
+
+
+def importance_sampling_ratio(
+    old_logps: torch.Tensor, sampling_logps: torch.Tensor, mask: torch.Tensor, mode: str,
+    clip_min: float | None, clip_max: float | None,
+) -> torch.Tensor:
+    """vLLM importance-sampling correction `exp(old - sampling)`, as GRPOTrainer defines it.
+
+    Args:
+        old_logps, sampling_logps, mask: (B, C) trainer log-probs, vLLM sampling log-probs, loss mask.
+        mode: "token_truncate" | "token_mask" (per token, (B, C)) or "sequence_truncate" |
+            "sequence_mask" (summed per sequence, (B, 1)). "*_truncate" clamps to [clip_min, clip_max];
+            "*_mask" zeroes ratios outside it.
+    """
+    difference = torch.nan_to_num((old_logps - sampling_logps) * mask, nan=0.0)  # NaN: no sampling logprob, no correction
+    if mode.startswith("sequence"):
+        difference = difference.sum(dim=-1, keepdim=True)
+    ratio = torch.exp(difference)
+    if mode.endswith("truncate"):
+        return torch.clamp(ratio, min=clip_min, max=clip_max)
+    low = clip_min if clip_min is not None else -float("inf")
+    high = clip_max if clip_max is not None else float("inf")
+    return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
+
+
+def sampling_statistics(old_logps: torch.Tensor, sampling_logps: torch.Tensor, ratio: torch.Tensor,
+                        loss_mask: torch.Tensor) -> torch.Tensor:
+    """One process's part of vLLM's `sampling/*` diagnostics, over the tokens (or, for sequence-level ratios, the
+    rows) of real step samples: a token vLLM could not score (NaN) tells nothing.
+
+    Args:
+        old_logps, sampling_logps, loss_mask: (B, C). ratio: (B, C) or (B, 1).
+
+    Returns:
+        float64 (7,): sum, count and max of |old - sampling|; sum, count, min and max of the ratios. Gather them
+        over processes (P, 7) for `sampling_metrics`.
+    """
+    mask = loss_mask.bool()
+    delta = (old_logps - sampling_logps).abs()
+    delta = delta[mask & ~torch.isnan(delta)]
+    ratios = ratio[mask] if ratio.size(1) > 1 else ratio[mask.any(dim=1)].flatten()
+    inf = torch.tensor(float("inf"), device=delta.device)
+    return torch.stack([
+        delta.sum(), torch.tensor(float(delta.numel()), device=delta.device), delta.max() if delta.numel() else -inf,
+        ratios.sum(), torch.tensor(float(ratios.numel()), device=delta.device),
+        ratios.min() if ratios.numel() else inf, ratios.max() if ratios.numel() else -inf,
+    ]).double()
+
+
+def sampling_metrics(parts: torch.Tensor) -> dict[str, Any]:
+    """`sampling/*` metrics as GRPOTrainer logs them, from the (P, 7) `sampling_statistics` of all processes;
+    those that have no token to describe are left out."""
+    delta_sum, delta_count, ratio_sum, ratio_count = (parts[:, k].sum().item() for k in (0, 1, 3, 4))
+    metrics = {}
+    if delta_count:
+        metrics["sampling/sampling_logp_difference/mean"] = delta_sum / delta_count
+        metrics["sampling/sampling_logp_difference/max"] = parts[:, 2].max().item()
+    if ratio_count:
+        metrics["sampling/importance_sampling_ratio/min"] = parts[:, 5].min().item()
+        metrics["sampling/importance_sampling_ratio/mean"] = ratio_sum / ratio_count
+        metrics["sampling/importance_sampling_ratio/max"] = parts[:, 6].max().item()
+    return metrics

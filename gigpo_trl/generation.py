@@ -1,0 +1,76 @@
+"""The generation switches a rollout flips on TRL's backends: greedy decoding for held-out evaluation, and vLLM's
+sleep mode woken once per rollout instead of once per turn; and TRL's generated tokens turned into `Completion`s.
+
+The switches change attributes of a `GRPOTrainer` (its `generation_config`, or its `vllm_generation`) for the
+duration of a `with` block and restore them after it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+from gigpo_trl.rollout import Completion
+
+if TYPE_CHECKING:
+    from trl import GRPOTrainer
+
+
+@contextmanager
+def greedy_decoding(trainer: GRPOTrainer, enabled: bool = True) -> Iterator[None]:
+    """Decode greedily inside the block (held-out evaluation): vLLM at temperature 0, or `generate` without sampling."""
+    if not enabled:
+        yield
+        return
+    backend, name, greedy = ((trainer.vllm_generation, "temperature", 0.0) if trainer.use_vllm
+                             else (trainer.generation_config, "do_sample", False))
+    saved = getattr(backend, name)
+    setattr(backend, name, greedy)
+    try:
+        yield
+    finally:
+        setattr(backend, name, saved)
+
+
+@contextmanager
+def vllm_awake(trainer: GRPOTrainer) -> Iterator[None]:
+    """vLLM colocate with `vllm_enable_sleep_mode`: TRL's generate wakes the engine (a level-2 sleep discards the
+    weights, so every weight is pushed again) and puts it back to sleep at every call, which is every turn of a
+    rollout. Inside the block the engine is woken once, with the current weights, and it sleeps once after it.
+    Nothing changes for another backend."""
+    generation = getattr(trainer, "vllm_generation", None) if trainer.use_vllm else None
+    if generation is None or generation.mode != "colocate" or not generation.enable_sleep_mode:
+        yield
+        return
+    if generation._llm_weights_sleeping:
+        generation.sync_weights()  # wakes the weights up and loads the current ones
+        trainer._last_loaded_step = trainer.state.global_step
+    generation.llm.wake_up(tags=["kv_cache"])
+    generation.enable_sleep_mode = False  # TRL's generate: no wake-up and no sleep per turn
+    try:
+        yield
+    finally:
+        generation.enable_sleep_mode = True
+        generation.llm.sleep(level=2)
+        generation._llm_weights_sleeping = True
+
+
+def completions_from_tokens(prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]],
+                            logprobs: Sequence[Sequence[float | None]] | None, *, eos_token_id: int,
+                            decode: Callable[[list[int]], str]) -> list[Completion]:
+    """`Completion`s from what TRL's `_generate_single_turn` returns for a batch of prompts.
+
+    vLLM reports a token whose log-prob is NaN as None: it becomes NaN again (no importance-sampling correction for
+    it). An empty answer becomes the EOS token alone (TRL's loss reads the last token of every answer), with a NaN
+    log-prob.
+    """
+    completions = []
+    for k, ids in enumerate(completion_ids):
+        lps = None if logprobs is None else [float("nan") if lp is None else float(lp) for lp in logprobs[k]]
+        ids = list(ids)
+        if not ids:
+            ids = [eos_token_id]
+            lps = None if lps is None else [float("nan")]
+        completions.append(Completion(list(prompt_ids[k]), ids, decode(ids), lps))
+    return completions

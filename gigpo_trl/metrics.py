@@ -1,0 +1,230 @@
+"""The metrics a GiGPO run logs, as pure functions of what the rollouts and evaluations produced.
+
+A process summarizes its own rollout (`RolloutSummary.of`); the trainer gathers the summaries of all processes and
+`rollout_metrics` turns them into the logged numbers (`env/*`, `gigpo/*`, `timing/*`, TRL's `reward`, ...), so a
+metric means the same on one process and on many. Evaluations count every held-out (task, copy) once
+(`panel_metrics`), and the loss's per-row metrics leave the lock-step padding rows out (`padding_free_row_metrics`).
+No torch and no trainer state here.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from gigpo_trl.advantages import GiGPOAdvantages, StepGroupStats
+from gigpo_trl.rollout import Episode, Rollout
+
+# Above this share of singleton step groups, step advantages are almost all 0: GiGPO ~ GRPO.
+SINGLETON_WARNING_SHARE = 0.9
+SINGLETON_WARNING = (
+    "{share:.0%} of step groups are singletons: their step advantage is 0, so GiGPO is close to step-wise GRPO here. "
+    "States rarely repeat across the copies of a task; check that the environment's anchor ignores move counters and "
+    "decoration, or set similarity_threshold for text anchors."
+)
+
+
+@dataclass(frozen=True)
+class RolloutTimes:
+    """Where one rollout's time went, in seconds (`generation` and `env` are parts of `rollout`)."""
+
+    rollout: float
+    generation: float
+    env: float
+    advantages: float
+
+
+@dataclass(frozen=True)
+class RolloutSummary:
+    """What one process's rollout contributes to the logged metrics: sums and counts, which add up over processes,
+    extremes and times, whose maximum over processes is logged, and the step-group statistics of its advantages."""
+
+    episodes: int
+    won: int
+    return_sum: float
+    return_squares: float
+    length_sum: int
+    truncated: int
+    env_errors: int
+    task_groups: int
+    equal_return_groups: int  # task groups whose copies all got the same return: no episode advantage
+    steps: int
+    invalid: int
+    reward_sum: float
+    reward_squares: float
+    clipped: int  # answers cut at max_completion_length
+    shortest_answer: float  # tokens (inf: no answer)
+    longest_answer: float  # tokens (-inf: no answer)
+    prompt_tokens: int
+    generated_tokens: int
+    subsampled: int  # step samples left out of the update by max_step_samples_per_micro_batch
+    times: RolloutTimes
+    step_groups: StepGroupStats
+
+    @classmethod
+    def of(cls, rollout: Rollout, gigpo: GiGPOAdvantages, times: RolloutTimes, *, max_completion_length: int,
+           end_token_ids: Collection[int], subsampled: int) -> RolloutSummary:
+        """Summarize a rollout, its advantages (`compute_gigpo_advantages` of its step columns) and its times.
+
+        Args:
+            end_token_ids: the tokens that end an answer (EOS, padding): an answer of `max_completion_length`
+                tokens that does not end with one was cut.
+        """
+        episodes, steps = rollout.episodes, rollout.steps
+        returns = np.array([e.episode_return for e in episodes], dtype=np.float64)
+        rewards = np.asarray(steps.reward, dtype=np.float64)
+        answer_lengths = [len(c.completion_ids) for c in steps.completion]
+        returns_by_group: dict[int, list[float]] = defaultdict(list)
+        for episode in episodes:
+            returns_by_group[episode.group].append(episode.episode_return)
+        return cls(
+            episodes=len(episodes),
+            won=sum(e.won for e in episodes),
+            return_sum=float(returns.sum()),
+            return_squares=float((returns**2).sum()),
+            length_sum=sum(e.length for e in episodes),
+            truncated=sum(e.truncated for e in episodes),
+            env_errors=sum(e.env_error is not None for e in episodes),
+            task_groups=len(returns_by_group),
+            equal_return_groups=sum(bool(np.isclose(np.std(group), 0.0)) for group in returns_by_group.values()),
+            steps=len(steps),
+            invalid=steps.valid.count(False),
+            reward_sum=float(rewards.sum()),
+            reward_squares=float((rewards**2).sum()),
+            clipped=sum(n >= max_completion_length and c.completion_ids[-1] not in end_token_ids
+                        for n, c in zip(answer_lengths, steps.completion)),
+            shortest_answer=min(answer_lengths, default=np.inf),
+            longest_answer=max(answer_lengths, default=-np.inf),
+            prompt_tokens=sum(len(c.prompt_ids) for c in steps.completion),
+            generated_tokens=rollout.generated_tokens,
+            subsampled=subsampled,
+            times=times,
+            step_groups=gigpo.stats,
+        )
+
+
+def rollout_metrics(summaries: Sequence[RolloutSummary], update_seconds: float | None = None) -> dict[str, float]:
+    """The logged metrics of a rollout made of the rollouts of several processes (one summary each).
+
+    Args:
+        summaries: one per process.
+        update_seconds: the time of the update before this rollout (training only), logged as `timing/update_s`.
+    """
+
+    def total(name: str) -> float:
+        return float(sum(getattr(s, name) for s in summaries))
+
+    def slowest(name: str) -> float:
+        return max(getattr(s.times, name) for s in summaries)
+
+    episodes, steps = total("episodes"), total("steps")
+    shortest, longest = min(s.shortest_answer for s in summaries), max(s.longest_answer for s in summaries)
+    generation_seconds = slowest("generation")
+    step_groups = StepGroupStats.combine([s.step_groups for s in summaries]).as_metrics()
+    del step_groups["gigpo/num_rows"]  # logged as env/step_samples
+    metrics = {
+        "env/success_rate": total("won") / max(episodes, 1),
+        "env/return_mean": total("return_sum") / max(episodes, 1),
+        "env/return_std": _bessel_std(total("return_sum"), total("return_squares"), episodes),
+        "env/episode_length_mean": total("length_sum") / max(episodes, 1),
+        "env/truncated_share": total("truncated") / max(episodes, 1),
+        "env/env_error_share": total("env_errors") / max(episodes, 1),
+        "env/invalid_action_rate": total("invalid") / max(steps, 1),
+        "env/step_samples": steps,
+        **step_groups,
+        "gigpo/subsampled_rows": total("subsampled"),
+        "timing/rollout_s": slowest("rollout"),
+        "timing/generation_s": generation_seconds,
+        "timing/env_s": slowest("env"),
+        "timing/advantages_s": slowest("advantages"),
+        "generation/tokens_per_s": total("generated_tokens") / max(generation_seconds, 1e-9),
+        # GRPOTrainer's standard metrics in GiGPO's terms: the step reward is the per-sample reward; a task group
+        # whose returns are all equal gets no episode advantage.
+        "completions/mean_length": total("generated_tokens") / max(steps, 1),
+        "completions/min_length": shortest if np.isfinite(shortest) else 0.0,
+        "completions/max_length": longest if np.isfinite(longest) else 0.0,
+        "completions/clipped_ratio": total("clipped") / max(steps, 1),
+        "reward": total("reward_sum") / max(steps, 1),
+        "reward_std": _bessel_std(total("reward_sum"), total("reward_squares"), steps),
+        "frac_reward_zero_std": total("equal_return_groups") / max(total("task_groups"), 1),
+    }
+    if update_seconds is not None:
+        metrics["timing/update_s"] = update_seconds
+    return metrics
+
+
+def padding_free_row_metrics(logged: dict[str, float], real: int, total: int, importance_sampling_level: str) -> dict[str, float]:
+    """The per-row metrics of GRPOTrainer's loss recomputed over the `real` rows of a micro-batch of `total` rows.
+
+    GRPOTrainer averages these over rows, padding rows included. A padding row's values are known: its loss mask
+    is 0 and its advantage 0, so its sequence-level importance ratio is 1, it is never clipped (0), and its VESPO
+    weight phi(1) is 1. Token-level metrics need nothing: they are masked.
+
+    Args:
+        logged: metric name -> the value GRPOTrainer just logged for the micro-batch (all processes).
+        real, total: the micro-batch's real and total rows, all processes.
+    """
+    corrected = {}
+    if "vespo/phi_seq_mean" in logged:
+        corrected["vespo/phi_seq_mean"] = (logged["vespo/phi_seq_mean"] * total - (total - real)) / real
+    if importance_sampling_level == "sequence":
+        for key in ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "cispo_clip_ratio"):
+            if key in logged:
+                corrected[key] = logged[key] * total / real
+        if "clip_ratio/low_min" in logged:  # per-row values are 0 or 1: the minimum is 1 only if every real row is 1
+            corrected["clip_ratio/low_min"] = 1.0 if corrected["clip_ratio/low_mean"] >= 1.0 - 1e-9 else 0.0
+    return corrected
+
+
+@dataclass(frozen=True)
+class PanelEpisode:
+    """What evaluation keeps of an episode: its task, which of the task's copies it was, and its outcome."""
+
+    task: str  # the seed and options, as JSON
+    copy: int
+    task_type: str | None
+    won: bool
+    episode_return: float
+    length: int
+
+    @classmethod
+    def of(cls, episode: Episode, group_size: int) -> PanelEpisode:
+        task = json.dumps([episode.seed, episode.options], sort_keys=True)
+        return cls(task, episode.trajectory % group_size, episode.task_type, episode.won, episode.episode_return,
+                   episode.length)
+
+
+def panel_metrics(episodes: Sequence[PanelEpisode]) -> dict[str, float]:
+    """Success rate, mean return and mean episode length over the distinct (task, copy) pairs of an evaluation,
+    overall and per task type (`env/success_rate/<type>`), and the number of distinct tasks (`env/panel_tasks`).
+
+    To give every process whole batches, the evaluation dataloader plays some tasks twice when the task count is
+    not a multiple of the tasks per step of all processes; the first play of each (task, copy) counts, the others
+    do not, so the figures are those of the panel itself whatever the number of processes and the batch sizes.
+    """
+    distinct: dict[tuple[str, int], PanelEpisode] = {}
+    for episode in episodes:
+        distinct.setdefault((episode.task, episode.copy), episode)
+    if not distinct:
+        return {}
+    kept = list(distinct.values())
+    metrics = {
+        "env/success_rate": float(np.mean([e.won for e in kept])),
+        "env/return_mean": float(np.mean([e.episode_return for e in kept])),
+        "env/episode_length_mean": float(np.mean([e.length for e in kept])),
+        "env/panel_tasks": float(len({e.task for e in kept})),
+    }
+    for task_type in sorted({e.task_type for e in kept if e.task_type is not None}):
+        metrics[f"env/success_rate/{task_type}"] = float(np.mean([e.won for e in kept if e.task_type == task_type]))
+    return metrics
+
+
+def _bessel_std(total: float, squares: float, count: float) -> float:
+    """Sample standard deviation (ddof 1, as TRL's nanstd) from a sum and a sum of squares; 0 below 2 values."""
+    if count < 2:
+        return 0.0
+    return max((squares - total * total / count) / (count - 1), 0.0) ** 0.5

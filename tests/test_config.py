@@ -1,0 +1,97 @@
+"""GiGPOConfig and the trainer's arguments: settings GiGPO cannot honour or replaces are refused at construction,
+with a message that names them; the batch arithmetic is explained in tasks and copies."""
+
+from __future__ import annotations
+
+import pytest
+from trainer_helpers import cpu_config, settings_config
+
+from gigpo_trl.config import SUPPORTED_LOSS_TYPES, GiGPOConfig
+from gigpo_trl.tasks import task_dataset
+from gigpo_trl.trainer import GiGPOTrainer
+
+TRL_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"gamma": 1.5}, r"gamma=1.5 must be in \[0, 1\]"),
+        ({"advantage_norm": "std"}, r"advantage_norm='std' is not one of"),
+        ({"episode_stats": "episodes"}, "episode_stats='episodes' is not one of"),
+        ({"loss_type": "grpo"}, "loss_type='grpo' normalizes per row or per micro-batch"),
+        ({"max_env_steps": 0}, "max_env_steps=0 must be >= 1"),
+        ({"similarity_threshold": 1.5}, "similarity_threshold=1.5"),
+        ({"env_kwargs": "{not json"}, "env_kwargs must be a dict or a JSON object string"),
+    ],
+)
+def test_config_rejects_invalid_combinations_naming_the_fields(tmp_path, overrides, message):
+    settings = {"num_generations": 4, "per_device_train_batch_size": 4, **overrides}
+    with pytest.raises(ValueError, match=message):
+        cpu_config(tmp_path, **settings)
+
+
+def test_cpu_config_defaults_to_fp32_and_keeps_an_explicit_choice(tmp_path):
+    assert cpu_config(tmp_path).bf16 is False
+    assert GiGPOConfig(output_dir=str(tmp_path), report_to=[], env_kwargs='{"num_boxes": 2}').env_kwargs == {"num_boxes": 2}
+
+
+@pytest.mark.parametrize("loss_type", sorted(set(TRL_LOSS_TYPES) - set(SUPPORTED_LOSS_TYPES)))
+def test_the_other_loss_types_are_refused_with_the_reason(tmp_path, loss_type):
+    with pytest.raises(ValueError, match=f"loss_type='{loss_type}' normalizes per row or per micro-batch"):
+        settings_config(tmp_path, loss_type=loss_type)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (dict(scale_rewards="batch"), "scale_rewards='batch' has no effect in GiGPO (advantages are normalized by advantage_norm"),
+        (dict(scale_rewards=False), "scale_rewards='none' has no effect in GiGPO"),
+        (dict(reward_weights=[1.0, 0.5]), "reward_weights=[1.0, 0.5] has no effect in GiGPO (rewards come from the environment"),
+        (dict(multi_objective_aggregation="normalize_then_sum"), "multi_objective_aggregation='normalize_then_sum' has no effect"),
+        (dict(entropy_coef=0.01), "entropy_coef=0.01 / use_adaptive_entropy=False: TRL's entropy bonus is a per-micro-batch mean"),
+        (dict(use_adaptive_entropy=True), "use_adaptive_entropy=True: TRL's entropy bonus"),
+        (dict(max_tool_calling_iterations=3), "max_tool_calling_iterations=3 has no effect in GiGPO (GiGPO's turns are environment steps"),
+    ],
+)
+def test_settings_gigpo_replaces_or_cannot_honour_are_refused(tmp_path, overrides, message):
+    with pytest.raises(ValueError, match="invalid GiGPOConfig: ") as error:
+        settings_config(tmp_path, **overrides)
+    assert message in str(error.value)
+
+
+def test_the_defaults_of_the_replaced_fields_are_accepted(tmp_path):
+    settings_config(tmp_path, scale_rewards=True, reward_weights=None, multi_objective_aggregation="sum_then_normalize")
+
+
+def test_batch_arithmetic_is_explained_in_tasks_and_copies(tmp_path):
+    with pytest.raises(ValueError) as error:
+        settings_config(tmp_path, per_device_train_batch_size=2, steps_per_generation=2, num_generations=8)
+    message = str(error.value)
+    assert "generation_batch_size" not in message
+    assert ("per_device_train_batch_size x steps_per_generation = 2 x 2 = 4 trajectories per rollout, which must be "
+            "whole groups of num_generations = 8 copies of a task") in message
+    assert "per_device_train_batch_size=4 with steps_per_generation=2 (1 task(s) x 8 copies per process)" in message
+    settings_config(tmp_path, per_device_train_batch_size=4, steps_per_generation=2, num_generations=8)  # the suggestion works
+
+
+def test_batch_arithmetic_with_the_default_steps_per_generation(tmp_path):
+    with pytest.raises(ValueError, match="= 3 x 2 = 6 trajectories per rollout") as error:
+        settings_config(tmp_path, per_device_train_batch_size=3, steps_per_generation=None, gradient_accumulation_steps=2,
+               num_generations=4)
+    assert "per_device_train_batch_size=4 with steps_per_generation=2" in str(error.value)
+
+
+def test_reward_funcs_are_refused_with_the_reason(tmp_path, tiny_model_path):
+    with pytest.raises(ValueError, match="GiGPOTrainer takes its rewards from the environment"):
+        GiGPOTrainer(tiny_model_path, args=settings_config(tmp_path), train_dataset=task_dataset(range(4)),
+                     reward_funcs=[lambda completions, **kwargs: [0.0] * len(completions)])
+
+
+def test_a_dataset_without_seeds_or_with_too_few_tasks_is_rejected(tmp_path, tiny_model_path):
+    from datasets import Dataset
+
+    with pytest.raises(ValueError, match="train_dataset needs a 'seed' column"):
+        GiGPOTrainer(tiny_model_path, args=cpu_config(tmp_path), train_dataset=Dataset.from_dict({"prompt": ["hi"] * 4}))
+    with pytest.raises(ValueError, match="train_dataset has 3 tasks, but one rollout needs .* = 4 distinct tasks"):
+        GiGPOTrainer(tiny_model_path, args=cpu_config(tmp_path), train_dataset=task_dataset(range(3)))

@@ -1,0 +1,157 @@
+"""What a run logs: environment, GiGPO and timing metrics in TRL's logs, TRL's standard metrics in GiGPO's terms,
+the completion logs, and the singleton warning."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from scripted_policy import ScriptedTrainer
+from trainer_helpers import cpu_config, settings_config
+
+from gigpo_trl.tasks import task_dataset
+from gigpo_trl.trainer import GiGPOTrainer
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_the_standard_grpo_metrics_are_logged_in_gigpo_terms(tmp_path, tiny_model_path):
+    trainer = GiGPOTrainer(tiny_model_path, args=settings_config(tmp_path, max_env_steps=3, env_processes=False, max_steps=1,
+                                                        logging_steps=1), train_dataset=task_dataset(range(4)))
+    trainer.train()
+    log = next(entry for entry in trainer.state.log_history if "env/step_samples" in entry)
+    rollout = trainer.last_rollout
+
+    rewards = np.array(rollout.steps.reward)
+    lengths = [len(c.completion_ids) for c in rollout.steps.completion]
+    assert log["reward"] == pytest.approx(rewards.mean()) and log["reward_std"] == pytest.approx(rewards.std(ddof=1))
+    assert (log["completions/min_length"], log["completions/max_length"]) == (min(lengths), max(lengths))
+    ends = {*trainer.eos_token_ids, trainer.processing_class.pad_token_id}
+    cut = [len(c.completion_ids) == 8 and c.completion_ids[-1] not in ends for c in rollout.steps.completion]
+    assert log["completions/clipped_ratio"] == pytest.approx(np.mean(cut))  # max_completion_length 8
+    groups: dict[int, list[float]] = {}
+    for episode in rollout.episodes:
+        groups.setdefault(episode.group, []).append(episode.episode_return)
+    assert log["frac_reward_zero_std"] == pytest.approx(np.mean([np.std(g) == 0 for g in groups.values()]))
+    returns = [r for g in groups.values() for r in g]
+    assert log["env/return_std"] == pytest.approx(np.std(returns, ddof=1))
+    trainer.close_environments()
+
+
+def test_update_time_is_the_update_s_own_even_with_evaluations_between_updates(tmp_path, tiny_model_path):
+    """`timing/update_s` runs from the end of one training rollout to the start of the next, the evaluations between
+    them left out. Checked with relations that hold however loaded the machine is: the update holds the sleep this
+    test injects into every optimizer step, and it equals the gap between the two rollouts less the evaluations in
+    it, both timed here around the trainer's own methods (each evaluation sleeps at least 1.6 s)."""
+    from toy_envs import Corridor
+    from transformers import TrainerCallback
+
+    from gigpo_trl.envs import register_env
+
+    class SlowWhenAsked(Corridor):
+        def reset(self, *, seed=None, options=None):
+            self.delay = (options or {}).get("delay", 0.0)
+            return super().reset(seed=seed, options=options)
+
+        def step(self, action):
+            time.sleep(self.delay)
+            return super().step(action)
+
+    class SlowOptimizerStep(TrainerCallback):
+        """Makes every update last at least 0.6 s (it runs between a step's backward and the evaluation)."""
+
+        def on_step_end(self, args, state, control, **kwargs):
+            time.sleep(0.6)
+
+    class TimedTrainer(GiGPOTrainer):
+        """Records when each training rollout and each evaluation started and ended."""
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.rollouts, self.evaluations = [], []
+
+        def _generate_and_score_completions(self, inputs):
+            started, training = time.perf_counter(), self.model.training
+            batch = super()._generate_and_score_completions(inputs)
+            if training:
+                self.rollouts.append((started, time.perf_counter()))
+            return batch
+
+        def evaluate(self, *args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return super().evaluate(*args, **kwargs)
+            finally:
+                self.evaluations.append((started, time.perf_counter()))
+
+    register_env("slow_when_asked", SlowWhenAsked, overwrite=True)
+    settings = dict(env_name="slow_when_asked", max_env_steps=4, env_processes=False, max_steps=3, logging_steps=1,
+                    eval_strategy="steps", eval_steps=1, per_device_eval_batch_size=2, num_generations_eval=2)
+    trainer = TimedTrainer(tiny_model_path, args=settings_config(tmp_path, **settings), callbacks=[SlowOptimizerStep()],
+                           train_dataset=task_dataset(range(4), options=[{"length": 3}] * 4),
+                           eval_dataset=task_dataset([9], options=[{"length": 9, "delay": 0.4}]))
+    trainer.train()  # every evaluation plays 4 slow steps: at least 1.6 s
+
+    updates = [entry["timing/update_s"] for entry in trainer.state.log_history if "timing/update_s" in entry]
+    assert len(updates) == 2 and len(trainer.rollouts) == 3
+    for update, (_, previous_end), (next_start, _) in zip(updates, trainer.rollouts, trainer.rollouts[1:]):
+        evaluations = [end - start for start, end in trainer.evaluations if previous_end <= start and end <= next_start]
+        assert len(evaluations) == 1 and evaluations[0] >= 1.6  # the evaluation in between, which is not the update's
+        assert update >= 0.6  # the update's own injected sleep
+        # Before: the evaluation's rollout reset the clock, so the update before it went unmeasured (about 0.0 s).
+        assert update == pytest.approx(next_start - previous_end - evaluations[0], abs=0.25)
+    trainer.close_environments()
+
+
+def test_the_singleton_warning_is_about_training_rollouts_not_single_copy_evaluations(tmp_path, tiny_model_path):
+    import warnings
+
+    from toy_envs import Corridor
+
+    class CountingCorridor(Corridor):
+        """The anchor is the step count: copies share their first state, then every step group is a singleton."""
+
+        def reset(self, *, seed=None, options=None):
+            self.moves = 0
+            return super().reset(seed=seed, options=options)
+
+        def step(self, action):
+            self.moves += 1
+            return super().step(action)
+
+        def _info(self):
+            return {**super()._info(), "anchor": ("start",) if self.moves == 0 else (id(self), self.moves)}
+
+    settings = dict(max_env_steps=30, env_processes=False, max_steps=1, per_device_eval_batch_size=2,
+                    num_generations_eval=1)
+    long_corridors = [{"length": 99}] * 4
+    evaluating = GiGPOTrainer(tiny_model_path, args=settings_config(tmp_path / "eval", **settings), env=CountingCorridor,
+                              train_dataset=task_dataset(range(4)), eval_dataset=task_dataset(range(2), long_corridors[:2]))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        evaluating.evaluate()  # one copy per task: every step group is a singleton, by design
+    assert not [w for w in caught if "singletons" in str(w.message)]
+    evaluating.close_environments()
+
+    training = GiGPOTrainer(tiny_model_path, args=settings_config(tmp_path / "train", **settings), env=CountingCorridor,
+                            train_dataset=task_dataset(range(4), long_corridors))
+    with pytest.warns(UserWarning, match="of step groups are singletons"):
+        training.train()
+    training.close_environments()
+
+
+def test_completion_logs_hold_each_step_prompt_answer_reward_and_advantage(tmp_path, tiny_model_path):
+    config = cpu_config(tmp_path, env_name="corridor", per_device_train_batch_size=2, steps_per_generation=1,
+                        gradient_accumulation_steps=1, max_env_steps=6, log_completions=True)
+    trainer = ScriptedTrainer(tiny_model_path, args=config, train_dataset=task_dataset([1]))
+    trainer.model.train()
+
+    batch = trainer._generate_and_score_completions([trainer.train_dataset[0]] * 2)
+
+    assert len(trainer._logs["prompt"]) == len(trainer._logs["completion"]) == 7
+    assert "Reach the last cell." in trainer._logs["prompt"][0][-1]["content"]  # the real prompt, task included
+    assert trainer._logs["completion"][2] == "I go right"
+    assert list(trainer._logs["rewards"]["environment_reward"]) == [0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 1.0]
+    np.testing.assert_allclose(trainer._logs["advantages"], batch["advantages"].numpy(), rtol=1e-6)
+    trainer.close_environments()

@@ -1,0 +1,46 @@
+"""Shared pieces of the trainer tests: a small CPU configuration, step samples, parameter snapshots, and the
+`corridor` environment (tests/toy_envs.py) registered under that name."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+from toy_envs import Corridor
+
+from gigpo_trl.config import GiGPOConfig
+from gigpo_trl.envs import register_env
+from gigpo_trl.rollout import Completion
+
+register_env("corridor", Corridor, overwrite=True)
+
+
+def cpu_config(tmp_path, **overrides) -> GiGPOConfig:
+    """2 tasks x 2 copies per rollout, split into 2 micro-batches; short answers and episodes; fp32, no checkpoints."""
+    settings = dict(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2, steps_per_generation=2,
+        gradient_accumulation_steps=2, max_steps=2, max_completion_length=12, max_env_steps=4, logging_steps=1,
+        report_to=[], gradient_checkpointing=False, learning_rate=1e-3, save_strategy="no", seed=0,
+    )
+    return GiGPOConfig(**{**settings, **overrides})
+
+
+def settings_config(tmp_path, **overrides) -> GiGPOConfig:
+    """`cpu_config` on Sokoban with 8-token answers: the setting of the TRL-settings tests."""
+    return cpu_config(tmp_path, **{"env_name": "sokoban", "max_completion_length": 8, **overrides})
+
+
+def parameters(model) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def step_samples(vocab_size: int, count: int, seed: int) -> tuple[list[Completion], list[float]]:
+    """Step samples of different prompt and answer lengths, with advantages of both signs."""
+    rng = random.Random(seed)
+    completions = [
+        Completion([rng.randrange(3, vocab_size) for _ in range(rng.randint(3, 9))],
+                   [rng.randrange(3, vocab_size) for _ in range(rng.randint(1, 8))], "")
+        for _ in range(count)
+    ]
+    return completions, [rng.uniform(-2, 2) for _ in range(count)]
+
