@@ -70,13 +70,7 @@ from tqdm.auto import tqdm
 
 from gigpo_trl.env_base import BaseTextEnv
 from gigpo_trl.envs import (
-    DEFAULT_FOLD_STARTS,
-    FOLDS,
-    INFO_ADMISSIBLE_ACTIONS,
-    INFO_ANCHOR,
-    INFO_TASK,
-    INFO_TASK_TYPE,
-    INFO_WON,
+    DEFAULT_FOLD_STARTS, FOLDS, INFO_ADMISSIBLE_ACTIONS, INFO_ANCHOR, INFO_TASK, INFO_TASK_TYPE, INFO_WON,
 )
 from gigpo_trl.paths import cache_root
 

@@ -1,5 +1,5 @@
-"""From step samples to the batch TRL's loss consumes: which samples become rows, padding, tensors, and vLLM's
-importance-sampling ratio.
+"""From step samples to the batch TRL's loss consumes: which samples become rows, padding, tensors, the old and
+reference log-probs, and vLLM's importance-sampling ratio.
 
 Every process must hand the loss the same number of rows, divisible by `steps_per_generation` (TRL splits the batch
 into that many micro-batches and runs collective forward passes under ZeRO-3/FSDP). A process with fewer samples
@@ -11,12 +11,16 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Collection, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from trl.trainer.utils import pad
+from trl.models.utils import disable_gradient_checkpointing
+from trl.trainer.utils import pad, use_adapter
 
 from gigpo_trl.rollout import Completion
+
+if TYPE_CHECKING:
+    from trl import GRPOTrainer
 
 
 def rows_for_update(num_samples: int, *, chunks: int, bound: int | None, draw_seed: str,
@@ -140,3 +144,61 @@ def sampling_metrics(parts: torch.Tensor) -> dict[str, Any]:
         metrics["sampling/importance_sampling_ratio/mean"] = ratio_sum / ratio_count
         metrics["sampling/importance_sampling_ratio/max"] = parts[:, 6].max().item()
     return metrics
+
+
+def loss_batch(trainer: GRPOTrainer, completions: Sequence[Completion], weights: Sequence[float],
+               advantages: Sequence[float], mode: str) -> dict[str, Any]:
+    """The dict `GRPOTrainer._compute_loss` consumes: the rows padded (`padded_batch`), the global token count,
+    and the old and reference log-probs and vLLM's importance-sampling ratio where GRPOTrainer would compute them,
+    with the trainer's models and TRL's forward pass (`_get_per_token_logps_and_entropies`); the ratio's
+    `sampling/*` metrics go to the trainer's logs.
+
+    Args:
+        trainer: the `GRPOTrainer` (a `GiGPOTrainer`) whose models score the rows.
+        completions, weights, advantages: one per row (weights: 1 for samples, 0 for padding rows).
+        mode: "train" or "eval".
+    """
+    device = trainer.accelerator.device
+    ends = {*trainer.eos_token_ids, trainer._tokenizer.pad_token_id} if trainer.mask_truncated_completions else None
+    batch = padded_batch(completions, weights, advantages, pad_token_id=trainer._tokenizer.pad_token_id,
+                         pad_to_multiple_of=trainer.pad_to_multiple_of, truncation_end_ids=ends, device=device)
+    loss_mask = batch["completion_mask"] * batch["tool_mask"]
+    batch["num_items_in_batch"] = trainer.accelerator.gather(loss_mask.sum()).sum()
+
+    input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    logits_to_keep = batch["completion_ids"].size(1)
+    forward_batch = trainer.args.max_step_samples_per_micro_batch or (
+        trainer.args.per_device_train_batch_size if mode == "train" else trainer.args.per_device_eval_batch_size
+    )
+
+    def log_probs(model: Any) -> torch.Tensor:
+        return trainer._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
+                                                          batch_size=forward_batch)[0]
+
+    with torch.no_grad(), disable_gradient_checkpointing(trainer.model, trainer.args.gradient_checkpointing_kwargs):
+        # Same rule as GRPOTrainer: old log-probs only when updates run off-policy or vLLM sampled.
+        generate_every = trainer.args.steps_per_generation * trainer.num_iterations
+        is_correction = trainer.use_vllm and trainer.vllm_importance_sampling_correction
+        if trainer.args.gradient_accumulation_steps % generate_every != 0 or is_correction:
+            batch["old_per_token_logps"] = log_probs(trainer.model)
+        if is_correction:
+            sampling_logps = batch.get("sampling_per_token_logps")
+            if sampling_logps is None:
+                raise RuntimeError("vLLM importance-sampling correction needs the sampling log-probs, but the backend returned none")
+            ratio = importance_sampling_ratio(
+                batch["old_per_token_logps"], sampling_logps, loss_mask, trainer.vllm_importance_sampling_mode,
+                trainer.vllm_importance_sampling_clip_min, trainer.vllm_importance_sampling_clip_max,
+            )
+            batch["importance_sampling_ratio"] = ratio
+            statistics = sampling_statistics(batch["old_per_token_logps"], sampling_logps, ratio, loss_mask)
+            for name, value in sampling_metrics(trainer.accelerator.gather(statistics).view(-1, 7)).items():
+                trainer._metrics[mode][name].append(value)
+        if trainer.beta != 0.0:
+            if trainer.ref_model is not None:
+                batch["ref_per_token_logps"] = log_probs(trainer.ref_model)
+            else:  # PEFT: the reference is the model with its adapter disabled (or a "ref" copy)
+                unwrapped = trainer.accelerator.unwrap_model(trainer.model)
+                with use_adapter(unwrapped, adapter_name="ref" if "ref" in unwrapped.peft_config else None):
+                    batch["ref_per_token_logps"] = log_probs(trainer.model)
+    return batch

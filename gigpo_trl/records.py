@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,10 +31,12 @@ ADVANTAGE_BINS = np.linspace(-4.125, 4.125, 34)
 RECORDS_DIR = "gigpo"
 
 
-def iteration_record(step: int, mode: str, rollout: int, metrics: dict[str, float], step_group_sizes: np.ndarray,
-                     episode_advantages: np.ndarray, step_advantages: np.ndarray) -> dict[str, Any]:
-    """One rollout's record. The arrays hold one entry per step sample (all processes)."""
-    rows_per_size = Counter(int(size) for size in step_group_sizes)
+def iteration_record(step: int, mode: str, rollout: int, metrics: dict[str, float],
+                     parts: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> dict[str, Any]:
+    """One rollout's record, from the (step_group_sizes, episode_advantages, step_advantages) of each process's
+    advantages, one entry per step sample each."""
+    sizes, episode_advantages, step_advantages = (np.concatenate([np.asarray(part[k]) for part in parts]) for k in range(3))
+    rows_per_size = Counter(int(size) for size in sizes)
     return {
         "step": step,
         "mode": mode,

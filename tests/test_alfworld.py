@@ -26,10 +26,7 @@ from gigpo_trl.environments.alfworld_games import (  # noqa: E402
 )
 from gigpo_trl.envs import env_factory, fold_seeds, make_env  # noqa: E402
 from gigpo_trl.records import read_evaluations, read_iterations, read_trajectories  # noqa: E402
-from gigpo_trl.tasks import (
-    Task,  # noqa: E402
-    task_dataset,  # noqa: E402
-)
+from gigpo_trl.tasks import Task, task_dataset  # noqa: E402
 
 DATA = Path(__file__).resolve().parent / "data" / "alfworld"
 TRAIN_GAMES = [  # sorted by path; the movable-receptacle trial and the unsolvable one are not listed

@@ -9,6 +9,7 @@ from scripted_policy import ScriptedTrainer
 from trainer_helpers import cpu_config, settings_config, step_samples
 from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
 
+from gigpo_trl.batch import loss_batch
 from gigpo_trl.config import SUPPORTED_LOSS_TYPES
 from gigpo_trl.tasks import task_dataset
 from gigpo_trl.trainer import GiGPOTrainer
@@ -21,7 +22,7 @@ def update_gradient(trainer: GiGPOTrainer, completions, weights, advantages, shu
     exactly as GRPOTrainer._prepare_inputs does, each micro-batch's loss back-propagated."""
     trainer.model.train()
     trainer.model.zero_grad()
-    batch = trainer._tensorize(completions, weights, [a * w for a, w in zip(advantages, weights)], "train")
+    batch = loss_batch(trainer, completions, weights, [a * w for a, w in zip(advantages, weights)], "train")
     torch.manual_seed(shuffle_seed)
     for micro_batch in split_tensor_dict(shuffle_sequence_dict(batch), trainer.args.steps_per_generation):
         trainer.compute_loss(trainer.model, micro_batch).backward()
@@ -57,7 +58,7 @@ def test_loss_metrics_of_a_micro_batch_leave_its_padding_rows_out(tmp_path, tiny
     advantages = [1.5, -1.0, -0.5]
     rows = completions + [completions[0], completions[1]]  # 3 real rows, 2 padding rows as _rows_for_update makes them
     weights = [1.0, 1.0, 1.0, 0.0, 0.0]
-    batch = trainer._tensorize(rows, weights, [a * w for a, w in zip(advantages + [0.0, 0.0], weights)], "train")
+    batch = loss_batch(trainer, rows, weights, [a * w for a, w in zip(advantages + [0.0, 0.0], weights)], "train")
     # Old log-probs away from the current ones, so that ratios move and clipping happens.
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -125,7 +126,7 @@ def test_memory_bound_caps_the_rows_of_every_forward_pass_with_long_episodes(tmp
 def test_pad_to_multiple_of_pads_the_batch_like_trl(tmp_path, tiny_model_path):
     trainer = GiGPOTrainer(tiny_model_path, args=settings_config(tmp_path, pad_to_multiple_of=16), train_dataset=task_dataset(range(4)))
     completions, advantages = step_samples(trainer.model.config.vocab_size, 4, seed=2)
-    batch = trainer._tensorize(completions, [1.0] * 4, advantages, "train")
+    batch = loss_batch(trainer, completions, [1.0] * 4, advantages, "train")
     assert batch["prompt_ids"].shape[1] == 16 and batch["completion_ids"].shape[1] == 16
     assert batch["prompt_mask"].sum() == sum(len(c.prompt_ids) for c in completions)
     assert batch["completion_mask"].sum() == sum(len(c.completion_ids) for c in completions)

@@ -9,6 +9,7 @@ import pytest
 import torch
 from trainer_helpers import settings_config, step_samples
 
+from gigpo_trl.batch import loss_batch
 from gigpo_trl.tasks import task_dataset
 from gigpo_trl.trainer import GiGPOTrainer
 
@@ -78,7 +79,7 @@ def test_vllm_sampling_diagnostics_leave_out_padding_rows_and_unscored_tokens(tm
             completion.logprobs[0] = float("nan")
     trainer._metrics["train"].clear()
 
-    batch = trainer._tensorize(completions, [1.0, 1.0, 0.0, 0.0], advantages, "train")
+    batch = loss_batch(trainer, completions, [1.0, 1.0, 0.0, 0.0], advantages, "train")
 
     real = batch["completion_mask"][:2].bool().clone()
     real[0, 0] = False
