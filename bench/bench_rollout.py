@@ -43,7 +43,7 @@ def bench_rollout(model: str, num_tasks: int, group_size: int, turns: int, token
 
     from gigpo_trl.config import GiGPOConfig
     from gigpo_trl.prompts import build_messages
-    from gigpo_trl.rollout import collect_rollout
+    from gigpo_trl.rollout import TextDialogue, collect_rollout
     from gigpo_trl.tasks import Task, task_dataset
     from gigpo_trl.trainer import GiGPOTrainer
 
@@ -61,11 +61,11 @@ def bench_rollout(model: str, num_tasks: int, group_size: int, turns: int, token
     pool = trainer._pool("train", num_tasks, group_size)
 
     def rollout():
-        return collect_rollout(pool, tasks, trainer._generate_turn, max_env_steps=turns, history_length=history_length,
-                               template=trainer.prompt_template, show_progress=False)
+        return collect_rollout(pool, tasks, trainer._generate_turn, max_env_steps=turns,
+                               dialogue=TextDialogue(trainer.dialogue.template, history_length), show_progress=False)
 
     first_prompts = [build_messages(o.observation, task=o.info.get("task"), admissible_actions=o.info.get("admissible_actions"),
-                                    template=trainer.prompt_template) for o in pool.reset(tasks)]
+                                    template=trainer.dialogue.template) for o in pool.reset(tasks)]
     prompt_ids = trainer._tokenize_prompts(first_prompts)[0]
 
     def set_answer_length(new_tokens: int) -> None:

@@ -27,9 +27,10 @@ REPLACED_FIELDS = {
                        "the environment's step()"),
     "multi_objective_aggregation": ("sum_then_normalize", "there is one reward, the environment's; advantages are "
                                     "normalized by advantage_norm"),
-    "max_tool_calling_iterations": (None, "GiGPO's turns are environment steps, bounded by max_env_steps; TRL's "
-                                    "tool-calling loop is not used"),
 }
+# Anchors of the environment_factory classes of TRL (gigpo_trl.environments.trl_environment).
+TOOL_ANCHOR_MODES = ("state", "tool_calls")
+DEFAULT_MAX_ENV_STEPS = 50
 
 
 @dataclass
@@ -87,7 +88,10 @@ class GiGPOConfig(GRPOConfig):
         metadata={"help": "Keyword arguments of the environment's factory (a dict, or JSON on the command line)."},
     )
     max_env_steps: int = field(
-        default=50, metadata={"help": "Steps after which an episode is cut off (a failure, logged as truncated)."}
+        default=DEFAULT_MAX_ENV_STEPS,
+        metadata={"help": "Steps after which an episode is cut off (a failure, logged as truncated). TRL's "
+                  "max_tool_calling_iterations, when set, sets it to that number + 1 (the first reply and the rounds "
+                  "after tool results)."},
     )
     history_length: int = field(
         default=2, metadata={"help": "K: the number of previous (observation, action) pairs shown in a step's prompt."}
@@ -97,6 +101,12 @@ class GiGPOConfig(GRPOConfig):
         metadata={"help": "Wording of the step prompts: a template name ('default', 'sokoban', 'numbered': answer with "
                   "an action's number, 'numbered_one_shot': the same shown once, for small models, 'action_one_shot': answer "
                   "with the action's text, shown once) or a JSON file of PromptTemplate fields. None: the environment's default."},
+    )
+    tool_anchor: str = field(
+        default="state",
+        metadata={"help": "Anchors of TRL environment_factory classes: 'state' (the class's anchor property or "
+                  "gigpo_anchor(), else a hash of its public plain-data attributes) or 'tool_calls' (the tool calls "
+                  "made so far).", "choices": list(TOOL_ANCHOR_MODES)},
     )
     step_timeout: float = field(
         default=30.0,
@@ -140,6 +150,12 @@ class GiGPOConfig(GRPOConfig):
             except json.JSONDecodeError as exc:
                 raise ValueError(f"env_kwargs must be a dict or a JSON object string, got {self.env_kwargs!r}: {exc}") from None
         self.env_kwargs = dict(self.env_kwargs or {})
+        if self.max_tool_calling_iterations is not None:
+            turns = self.max_tool_calling_iterations + 1
+            if self.max_env_steps not in (DEFAULT_MAX_ENV_STEPS, turns):
+                raise ValueError(f"invalid GiGPOConfig: max_tool_calling_iterations={self.max_tool_calling_iterations} "
+                                 f"means {turns} turns an episode, but max_env_steps={self.max_env_steps}: set one of them")
+            self.max_env_steps = turns
         super().__post_init__()
         self._check_gigpo_fields()
 
@@ -159,6 +175,8 @@ class GiGPOConfig(GRPOConfig):
             problems.append(f"max_env_steps={self.max_env_steps} must be >= 1")
         if self.log_trajectories < 0:
             problems.append(f"log_trajectories={self.log_trajectories} must be >= 0")
+        if self.tool_anchor not in TOOL_ANCHOR_MODES:
+            problems.append(f"tool_anchor={self.tool_anchor!r} is not one of {TOOL_ANCHOR_MODES}")
         if self.history_length < 0:
             problems.append(f"history_length={self.history_length} must be >= 0")
         if self.step_timeout <= 0:

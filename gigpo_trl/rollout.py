@@ -5,6 +5,10 @@ parallel. Environments that finished stop generating. Across processes, every pr
 same number of generation calls (with a dummy prompt where it has no live environment, or as many
 prompts as the busiest process when the backend slices results by rank), so collective backends
 (ZeRO-3, FSDP, vLLM server) never hang on uneven episode lengths.
+
+A `Dialogue` says how a step's prompt is written and how an answer becomes the environment's action:
+`TextDialogue` for text environments (observation, admissible actions, `<action>` answers), and the
+tool-calling dialogue of TRL's `environment_factory` classes (`gigpo_trl.environments.trl_environment`).
 """
 
 from __future__ import annotations
@@ -12,17 +16,18 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from tqdm.auto import tqdm
 
 from gigpo_trl.env_pool import INFO_ENV_ERROR, EnvOutput, EnvPool
 from gigpo_trl.envs import INFO_ADMISSIBLE_ACTIONS, INFO_TASK, INFO_TASK_TYPE, INFO_WON
-from gigpo_trl.parsing import parse_action
+from gigpo_trl.parsing import ParsedAction, parse_action
 from gigpo_trl.prompts import PromptTemplate, build_messages
 from gigpo_trl.tasks import Task
 
-Messages = list[dict[str, str]]
+Messages = list[dict[str, Any]]
+Tools = list[dict[str, Any]]  # JSON schemas of the tools a prompt offers, as `apply_chat_template(tools=...)` takes them
 # Sent by a process that has no live environment in a turn where others still play.
 DUMMY_PROMPT: Messages = [{"role": "user", "content": "."}]
 
@@ -38,7 +43,54 @@ class Completion:
     logprobs: list[float] | None = None
 
 
-TurnGenerator = Callable[[list[Messages]], list[Completion]]
+# (chat prompts, the tools each offers or None) -> one `Completion` per prompt
+TurnGenerator = Callable[[list[Messages], list[Tools | None]], list[Completion]]
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """One past step of a trajectory, as later prompts may show it."""
+
+    observation: str  # what the agent saw
+    action: ParsedAction  # what its answer became
+    result: EnvOutput  # what the environment returned
+
+
+class Dialogue(Protocol):
+    """How a step's prompt is written and how an answer becomes the environment's action. `start` is what the
+    environment's reset returned, `current` the state the action is taken in, `history` the episode's past steps."""
+
+    def prompt(self, start: EnvOutput, current: EnvOutput, history: Sequence[Exchange], step: int) -> Messages: ...
+
+    def tools(self, start: EnvOutput) -> Tools | None: ...
+
+    def read(self, completion: Completion, start: EnvOutput, current: EnvOutput) -> ParsedAction: ...
+
+
+@dataclass(frozen=True)
+class TextDialogue:
+    """Text environments: `build_messages` prompts (task, the last `history_length` (observation, action) pairs, the
+    observation, the admissible actions, the answer format) and answers read by `parse_action`; no tools."""
+
+    template: PromptTemplate | None = None
+    history_length: int = 2
+
+    def prompt(self, start: EnvOutput, current: EnvOutput, history: Sequence[Exchange], step: int) -> Messages:
+        return build_messages(
+            current.observation,
+            step=step,
+            task=current.info.get(INFO_TASK),
+            history=[(past.observation, past.action.action) for past in history],
+            admissible_actions=current.info.get(INFO_ADMISSIBLE_ACTIONS),
+            history_length=self.history_length,
+            template=self.template,
+        )
+
+    def tools(self, start: EnvOutput) -> None:
+        return None
+
+    def read(self, completion: Completion, start: EnvOutput, current: EnvOutput) -> ParsedAction:
+        return parse_action(completion.text, current.info.get(INFO_ADMISSIBLE_ACTIONS))
 
 
 @dataclass
@@ -108,8 +160,7 @@ def collect_rollout(
     generate: TurnGenerator,
     *,
     max_env_steps: int,
-    history_length: int = 2,
-    template: PromptTemplate | None = None,
+    dialogue: Dialogue = TextDialogue(),
     max_across_processes: Callable[[int], int] = lambda n: n,
     equal_prompt_counts: bool = False,
     show_progress: bool = True,
@@ -119,10 +170,9 @@ def collect_rollout(
     Args:
         pool: the environments, `len(tasks) * group_size` of them.
         tasks: one (seed, options) per group.
-        generate: turns a list of chat prompts into one `Completion` each.
+        generate: turns chat prompts (and the tools each offers) into one `Completion` each.
         max_env_steps: turns after which live episodes are cut off (truncated).
-        history_length: K, past (observation, action) pairs in each prompt.
-        template: prompt wording.
+        dialogue: how prompts are written and answers read (default: `TextDialogue()`).
         max_across_processes: the maximum of an int over all processes (identity on one process);
             a turn happens while any process has a live environment.
         equal_prompt_counts: pad every generation call to the busiest process's prompt count
@@ -135,6 +185,7 @@ def collect_rollout(
     rollout = Rollout()
     started = time.perf_counter()
     current = pool.reset(tasks)
+    start = list(current)
     rollout.env_seconds += time.perf_counter() - started
     episodes = [
         Episode(pool.group_of(i), i, tasks[pool.group_of(i)].seed, tasks[pool.group_of(i)].options,
@@ -143,7 +194,7 @@ def collect_rollout(
     ]
     for episode, output in zip(episodes, current):
         _end_if_done(episode, output)
-    histories: list[list[tuple[str, str]]] = [[] for _ in range(pool.num_envs)]
+    histories: list[list[Exchange]] = [[] for _ in range(pool.num_envs)]
 
     turns = tqdm(range(max_env_steps), desc="rollout turns", leave=False, disable=not show_progress)
     for t in turns:
@@ -152,28 +203,19 @@ def collect_rollout(
         if busiest == 0:
             break
         turns.set_postfix(live=len(live))
-        prompts = [
-            build_messages(
-                current[i].observation,
-                step=t,
-                task=current[i].info.get(INFO_TASK),
-                history=histories[i],
-                admissible_actions=current[i].info.get(INFO_ADMISSIBLE_ACTIONS),
-                history_length=history_length,
-                template=template,
-            )
-            for i in live
-        ]
+        prompts = [dialogue.prompt(start[i], current[i], histories[i], t) for i in live]
+        tools = [dialogue.tools(start[i]) for i in live]
         num_prompts = busiest if equal_prompt_counts else max(1, len(live))
+        tools += [None] * (num_prompts - len(prompts))
         prompts += [DUMMY_PROMPT] * (num_prompts - len(prompts))
 
         started = time.perf_counter()
-        completions = generate(prompts)[: len(live)]
+        completions = generate(prompts, tools)[: len(live)]
         rollout.generation_seconds += time.perf_counter() - started
         rollout.generate_calls += 1
         rollout.generated_tokens += sum(len(c.completion_ids) for c in completions)
 
-        parsed = {i: parse_action(c.text, current[i].info.get(INFO_ADMISSIBLE_ACTIONS)) for i, c in zip(live, completions)}
+        parsed = {i: dialogue.read(c, start[i], current[i]) for i, c in zip(live, completions)}
         started = time.perf_counter()
         results = pool.step({i: p.action for i, p in parsed.items()}) if live else {}
         rollout.env_seconds += time.perf_counter() - started
@@ -185,7 +227,7 @@ def collect_rollout(
                 observation=current[i].observation, prompt=prompt, completion=completion,
                 action=parsed[i].action, valid=parsed[i].valid, reward=result.reward,
             )
-            histories[i].append((current[i].observation, parsed[i].action))
+            histories[i].append(Exchange(current[i].observation, parsed[i], result))
             episode.length += 1
             episode.episode_return += result.reward
             current[i] = result

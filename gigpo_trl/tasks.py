@@ -3,12 +3,15 @@ tasks a recipe trains and evaluates on.
 
 A task is a `seed` and optional `options`, passed to `env.reset(seed=..., options=...)`. A training batch holds
 `num_generations` consecutive copies of each task row (TRL's `RepeatSampler`), which become one `Task` played by
-that many identically-seeded environments. Nothing here imports TRL: building a task dataset is cheap.
+that many identically-seeded environments. Rows in TRL's shape (a `prompt` and any other columns, for the classes of
+TRL's `environment_factory`) are tasks too: `row_tasks`. Nothing here imports TRL: building a task dataset is cheap.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -37,6 +40,20 @@ def task_dataset(seeds: Sequence[int], options: Sequence[dict[str, Any] | None] 
     return Dataset.from_dict({"seed": list(seeds), "options": [json.dumps(o) if o is not None else "" for o in options]})
 
 
+def check_task_datasets(train_dataset: Dataset | None, eval_dataset: Dataset | None, tasks_per_rollout: int, *,
+                        seeds: bool = True) -> None:
+    """A training dataset must hold at least the distinct tasks of one rollout; with `seeds`, every dataset needs a
+    `seed` column (one task per row). Raises a ValueError that says which dataset falls short."""
+    if train_dataset is None:
+        raise ValueError("train_dataset is required: a dataset of tasks with a 'seed' column (see gigpo_trl.task_dataset)")
+    for name, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
+        if seeds and dataset is not None and "seed" not in dataset.column_names:
+            raise ValueError(f"{name} needs a 'seed' column (one task per row); it has {dataset.column_names}")
+    if hasattr(train_dataset, "__len__") and len(train_dataset) < tasks_per_rollout:
+        raise ValueError(f"train_dataset has {len(train_dataset)} tasks, but one rollout needs generation_batch_size / "
+                         f"num_generations = {tasks_per_rollout} distinct tasks")
+
+
 def tasks_from_rows(rows: Sequence[dict[str, Any]], group_size: int) -> list[Task]:
     """The tasks of a batch of dataset rows, which holds `group_size` consecutive copies of each task."""
     if len(rows) % group_size:
@@ -51,6 +68,29 @@ def tasks_from_rows(rows: Sequence[dict[str, Any]], group_size: int) -> list[Tas
                 "steps_per_generation and num_generations)"
             )
         tasks.append(Task(seed=copies[0][0], options=copies[0][1]))
+    return tasks
+
+
+def row_tasks(rows: Sequence[dict[str, Any]], group_size: int, salt: str) -> list[Task]:
+    """The tasks of a batch of rows in TRL's shape (any columns, no `seed` needed), `group_size` consecutive copies
+    each: every copy of a task is reset with the whole row as its options and one seed, a hash of `salt`, the row
+    and how many identical rows came before it in the batch. The same salt and rows give the same seeds on every
+    machine (a held-out panel is fixed); a new salt per training step gives a fresh draw each step, as TRL's
+    environments draw at every reset."""
+    if len(rows) % group_size:
+        raise RuntimeError(f"a batch of {len(rows)} rows cannot hold whole groups of {group_size} copies")
+    tasks, seen = [], Counter()
+    for start in range(0, len(rows), group_size):
+        copies = [json.dumps(row, sort_keys=True, default=str) for row in rows[start : start + group_size]]
+        if any(copy != copies[0] for copy in copies):
+            raise RuntimeError(
+                f"rows {start}..{start + group_size - 1} of the batch should be {group_size} copies of one task; the "
+                "copies of a task were split across processes (check per_device_train_batch_size, "
+                "steps_per_generation and num_generations)"
+            )
+        key = f"{salt}|{seen[copies[0]]}|{copies[0]}"
+        seen[copies[0]] += 1
+        tasks.append(Task(seed=int(hashlib.sha1(key.encode()).hexdigest()[:8], 16), options=dict(rows[start])))
     return tasks
 
 

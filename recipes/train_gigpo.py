@@ -27,7 +27,7 @@ from __future__ import annotations
 from trl import ModelConfig, TrlParser, get_peft_config
 
 from gigpo_trl import EMBEDDED_MODEL, GiGPOConfig, GiGPOTrainer, TaskArguments
-from gigpo_trl.report import write_report
+from gigpo_trl.recipe import train_and_report
 
 
 def main(task_args: TaskArguments, training_args: GiGPOConfig, model_args: ModelConfig) -> None:
@@ -47,17 +47,8 @@ def main(task_args: TaskArguments, training_args: GiGPOConfig, model_args: Model
 
     if trainer.accelerator.is_main_process:
         print(f"GiGPO on {trainer.accelerator.num_processes} process(es), {trainer.accelerator.device}")
-    before = trainer.evaluate() if eval_tasks is not None else None
-    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-    after = trainer.evaluate() if eval_tasks is not None else None
-    trainer.save_model(training_args.output_dir)
-    trainer.close_environments()
-    if trainer.accelerator.is_main_process:
-        report = write_report(training_args.output_dir)
-        if before is not None:
-            print(f"Held-out success rate ({task_args.num_eval_tasks} tasks): "
-                  f"{before['eval_env/success_rate']:.1%} before training -> {after['eval_env/success_rate']:.1%} after")
-        print(f"Report: {report / 'index.html'}")
+    train_and_report(trainer, training_args.resume_from_checkpoint,
+                     panel=f"Held-out success rate ({task_args.num_eval_tasks} tasks)")
     if training_args.push_to_hub:
         trainer.push_to_hub()
 

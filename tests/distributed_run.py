@@ -6,7 +6,9 @@ processes' episodes very uneven; the main process writes the process count and t
 After training it evaluates a panel of 3 corridors of lengths 3, 20 and 3 (20 cannot be won in max_env_steps),
 two tasks per process and batch: the evaluation dataloader plays a task twice to fill the batches.
 
-ENV_NAME "bad_anchor_on_rank_1" makes the process of rank 1 alone raise in its first rollout.
+ENV_NAME "bad_anchor_on_rank_1" makes the process of rank 1 alone raise in its first rollout. ENV_NAME
+"tool_counter" trains TRL's counter environment class (tests/toy_tool_envs.py) instead, from rows in TRL's shape
+(MODEL_DIR then needs a tool-calling chat template), without evaluation.
 """
 
 import json
@@ -14,8 +16,10 @@ import os
 import sys
 from pathlib import Path
 
-from scripted_policy import ScriptedTrainer
+from datasets import Dataset
+from scripted_policy import ScriptedToolTrainer, ScriptedTrainer
 from toy_envs import BadAnchorOnRank1, Corridor
+from toy_tool_envs import IncrementEnv
 
 from gigpo_trl.config import GiGPOConfig
 from gigpo_trl.envs import register_env
@@ -37,11 +41,18 @@ def main(model_dir: str, output_dir: str, env_name: str = "corridor") -> None:
     # In each rollout the first two tasks (process 0 with 2 processes) are 3-cell corridors, the last two
     # (process 1) 12-cell ones: 2-3 steps against 11-12 steps.
     lengths = [3, 3, 12, 12] * 2
-    dataset = task_dataset(range(len(lengths)), options=[{"length": n} for n in lengths])
-    panel = task_dataset([100, 101, 102], options=[{"length": n} for n in (3, 20, 3)])
-    trainer = ScriptedTrainer(model_dir, args=config, train_dataset=dataset, eval_dataset=panel)
-    trainer.train()
-    evaluation = trainer.evaluate()
+    if env_name == "tool_counter":
+        prompts = [[{"role": "user", "content": f"Task {k}."}] for k in range(len(lengths))]
+        trainer = ScriptedToolTrainer(model_dir, args=config, train_dataset=Dataset.from_dict({"prompt": prompts}),
+                                      environment_factory=IncrementEnv)
+        trainer.train()
+        evaluation = {}
+    else:
+        dataset = task_dataset(range(len(lengths)), options=[{"length": n} for n in lengths])
+        panel = task_dataset([100, 101, 102], options=[{"length": n} for n in (3, 20, 3)])
+        trainer = ScriptedTrainer(model_dir, args=config, train_dataset=dataset, eval_dataset=panel)
+        trainer.train()
+        evaluation = trainer.evaluate()
     trainer.close_environments()
     if trainer.accelerator.is_main_process:
         logs = [entry for entry in trainer.state.log_history if "env/success_rate" in entry]

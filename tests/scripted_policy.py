@@ -4,6 +4,7 @@ makes the trajectories known in advance."""
 
 from __future__ import annotations
 
+import json
 import random
 import re
 
@@ -34,13 +35,46 @@ def numbered_choice_answer(prompt_text: str, position: int) -> str:
 class ScriptedTrainer(GiGPOTrainer):
     """Corridor tasks follow `corridor_answer`; any other environment gets `numbered_choice_answer`."""
 
-    def _generate_turn(self, prompts):
-        generated = super()._generate_turn(prompts)  # the real backend, in lock-step
+    def _generate_turn(self, prompts, tools):
+        generated = super()._generate_turn(prompts, tools)  # the real backend, in lock-step
         eos = self._tokenizer.eos_token_id
         completions = []
         for position, (prompt, real) in enumerate(zip(prompts, generated)):
             text = prompt[-1]["content"]
             answer = corridor_answer(text, position) if "corridor" in text else numbered_choice_answer(text, position)
+            ids = self._tokenizer(answer, add_special_tokens=False)["input_ids"] + [eos]
+            completions.append(Completion(real.prompt_ids, ids, answer))
+        return completions
+
+
+def tool_call(name: str, **arguments) -> str:
+    """A tool call as Qwen2.5's chat template writes one."""
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
+
+
+def counter_answer(messages: list[dict], position: int) -> str:
+    """IncrementEnv (tests/toy_tool_envs.py): add 1 until the target, then answer without a tool call; the copy at an
+    odd position of the batch first adds 2 (and may overshoot)."""
+    target = int(re.search(r"Bring the counter to (\d+)", messages[0]["content"]).group(1))
+    results = [m["content"] for m in messages if m["role"] == "tool"]
+    counter = int(re.search(r"Counter is (\d+)", results[-1]).group(1)) if results else 0
+    if counter >= target:
+        return "Done."
+    return tool_call("increment", step=2 if position % 2 and counter == 0 else 1)
+
+
+class ScriptedToolTrainer(GiGPOTrainer):
+    """Tool-calling replies from `counter_answer` (or the class's `answer`), generated after the real backend ran in
+    lock-step, tokenized with the answer's EOS."""
+
+    answer = staticmethod(counter_answer)
+
+    def _generate_turn(self, prompts, tools):
+        generated = super()._generate_turn(prompts, tools)
+        eos = self._tokenizer.eos_token_id
+        completions = []
+        for position, (prompt, real) in enumerate(zip(prompts, generated)):
+            answer = self.answer(prompt, position) if tools[position] else "."
             ids = self._tokenizer(answer, add_special_tokens=False)["input_ids"] + [eos]
             completions.append(Completion(real.prompt_ids, ids, answer))
         return completions

@@ -51,7 +51,6 @@ def test_the_other_loss_types_are_refused_with_the_reason(tmp_path, loss_type):
         (dict(multi_objective_aggregation="normalize_then_sum"), "multi_objective_aggregation='normalize_then_sum' has no effect"),
         (dict(entropy_coef=0.01), "entropy_coef=0.01 / use_adaptive_entropy=False: TRL's entropy bonus is a per-micro-batch mean"),
         (dict(use_adaptive_entropy=True), "use_adaptive_entropy=True: TRL's entropy bonus"),
-        (dict(max_tool_calling_iterations=3), "max_tool_calling_iterations=3 has no effect in GiGPO (GiGPO's turns are environment steps"),
     ],
 )
 def test_settings_gigpo_replaces_or_cannot_honour_are_refused(tmp_path, overrides, message):

@@ -25,8 +25,8 @@ def torchrun(num_processes: int, *arguments: str, timeout: float = 400) -> subpr
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=SCRIPT.parent)
 
 
-def launch(num_processes: int, model_dir: str, output_dir: Path) -> tuple[list[dict], dict]:
-    result = torchrun(num_processes, model_dir, str(output_dir))
+def launch(num_processes: int, model_dir: str, output_dir: Path, env_name: str = "corridor") -> tuple[list[dict], dict]:
+    result = torchrun(num_processes, model_dir, str(output_dir), env_name)
     assert result.returncode == 0, result.stderr[-4000:]
     written = json.loads((output_dir / "metrics.json").read_text())
     assert written["processes"] == num_processes

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
 import subprocess
 import sys
@@ -22,9 +23,19 @@ RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 CONFIGS = sorted((RECIPES / "configs").glob("*.yaml"))
 
 
+def script_arguments(config: Path) -> type:
+    """The arguments of the recipe script a config names in its header (recipes/train_gigpo.py by default)."""
+    if "train_trl_environment.py" not in config.read_text():
+        return TaskArguments
+    spec = importlib.util.spec_from_file_location("train_trl_environment", RECIPES / "train_trl_environment.py")
+    module = sys.modules.setdefault("train_trl_environment", importlib.util.module_from_spec(spec))  # dataclasses look it up
+    spec.loader.exec_module(module)
+    return module.ScriptArguments
+
+
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)
 def test_every_config_and_its_grpo_baseline_parse_as_the_recipe_parses_them(config, tmp_path):
-    parser = TrlParser((TaskArguments, GiGPOConfig, ModelConfig))  # the recipe script's parser
+    parser = TrlParser((script_arguments(config), GiGPOConfig, ModelConfig))  # the recipe script's parser
     # GPU configs ask for bf16, which GiGPOConfig refuses on a machine without it, as TRL does: override it, as a
     # user on this machine would.
     device = ["--bf16", "false"] if yaml.safe_load(config.read_text()).get("bf16") else []
@@ -32,7 +43,7 @@ def test_every_config_and_its_grpo_baseline_parse_as_the_recipe_parses_them(conf
     task_args, training_args, model_args = parser.parse_args_and_config(args=arguments)
     _, baseline, _ = parser.parse_args_and_config(args=[*arguments, "--step_advantage_weight", "0"])
 
-    assert training_args.env_name in registered_envs()
+    assert training_args.env_name in registered_envs()  # (ignored by the environment-class recipe)
     assert training_args.num_generations >= 2 and task_args.num_train_tasks > 0
     assert training_args.step_advantage_weight == 1.0 and baseline.step_advantage_weight == 0.0
 
@@ -84,3 +95,15 @@ def test_the_recipe_runs_on_two_cpu_processes_under_torchrun(tmp_path, tiny_mode
     assert "GiGPO on 2 process(es), cpu" in result.stdout
     assert "Held-out success rate" in result.stdout
     assert (tmp_path / "report" / "index.html").is_file()
+
+
+@pytest.mark.timeout(600)
+def test_the_environment_class_recipe_trains_evaluates_and_reports(tmp_path, tool_model_path):
+    command = [sys.executable, str(RECIPES / "train_trl_environment.py"), "--config",
+               str(RECIPES / "configs" / "guess_number_cpu.yaml"), "--model_name_or_path", tool_model_path,
+               "--output_dir", str(tmp_path), "--max_steps", "1", "--num_eval_tasks", "2"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "Held-out games won (2):" in result.stdout and (tmp_path / "report" / "index.html").is_file()
+    assert [record["metrics"]["env/panel_tasks"] for record in read_evaluations(tmp_path)] == [2, 2]

@@ -8,7 +8,7 @@ import pytest
 from toy_envs import Corridor, FragileCorridor
 
 from gigpo_trl.env_pool import EnvPool
-from gigpo_trl.rollout import DUMMY_PROMPT, Completion, collect_rollout
+from gigpo_trl.rollout import DUMMY_PROMPT, Completion, TextDialogue, collect_rollout
 from gigpo_trl.tasks import Task
 
 pytestmark = pytest.mark.timeout(120)
@@ -20,7 +20,8 @@ class ScriptedGenerator:
     def __init__(self, answer):
         self.answer, self.calls = answer, []
 
-    def __call__(self, prompts):
+    def __call__(self, prompts, tools):
+        assert tools == [None] * len(prompts)  # text environments offer no tools
         self.calls.append(prompts)
         completions = []
         for position, prompt in enumerate(prompts):
@@ -70,7 +71,8 @@ def test_episodes_cut_off_by_max_env_steps_are_truncated_failures():
 def test_the_prompt_shows_the_last_k_observations_and_actions():
     generate = ScriptedGenerator(lambda observation, step, position: "<action>left</action>")
     with EnvPool(Corridor, num_groups=1, group_size=1, processes=False) as pool:
-        collect_rollout(pool, [Task(seed=3)], generate, max_env_steps=4, history_length=2, show_progress=False)
+        collect_rollout(pool, [Task(seed=3)], generate, max_env_steps=4, dialogue=TextDialogue(history_length=2),
+                        show_progress=False)
 
     last_prompt = generate.calls[-1][0][-1]["content"]
     assert "[Step 1] Your action: left" in last_prompt and "[Step 2] Your action: left" in last_prompt

@@ -1,0 +1,40 @@
+"""What the recipe scripts share once their trainer is built: the held-out panel played before and after training,
+the model saved, the environments stopped, the report written."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gigpo_trl.report import write_report
+
+
+@dataclass(frozen=True)
+class RunOutcome:
+    """Held-out metrics before and after training (None without an eval_dataset), and the report's folder (None on
+    processes other than the main one)."""
+
+    before: dict[str, float] | None
+    after: dict[str, float] | None
+    report: Path | None
+
+
+def train_and_report(trainer: Any, resume_from_checkpoint: str | bool | None = None,
+                     panel: str = "Held-out success rate") -> RunOutcome:
+    """Evaluate (if the trainer has held-out tasks), train, evaluate again, save the model, stop the environments and
+    write the run report (`gigpo_trl.report`); the main process prints `panel` with the success rates before and
+    after, and where the report is."""
+    held_out = trainer.eval_dataset is not None
+    before = trainer.evaluate() if held_out else None
+    trainer.train(resume_from_checkpoint=resume_from_checkpoint)
+    after = trainer.evaluate() if held_out else None
+    trainer.save_model(trainer.args.output_dir)
+    trainer.close_environments()
+    if not trainer.accelerator.is_main_process:
+        return RunOutcome(before, after, None)
+    report = write_report(trainer.args.output_dir)
+    if held_out:
+        print(f"{panel}: {before['eval_env/success_rate']:.1%} before training -> {after['eval_env/success_rate']:.1%} after")
+    print(f"Report: {report / 'index.html'}")
+    return RunOutcome(before, after, report)
