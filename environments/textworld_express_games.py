@@ -47,9 +47,7 @@ constructor raises an error that says how to install one.
 from __future__ import annotations
 
 import hashlib
-import os
 import random
-import shutil
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -61,7 +59,7 @@ except ImportError as exc:
         "the TextWorldExpress environments need the textworld-express package: pip install 'gigpo-trl[textworld-express]'"
     ) from exc
 
-from gigpo_trl.env_base import BaseTextEnv, is_int
+from gigpo_trl.env_base import BaseTextEnv, is_int, require_java, start_jvm
 from gigpo_trl.envs import FOLDS, INFO_ADMISSIBLE_ACTIONS, INFO_ANCHOR, INFO_TASK, INFO_TASK_TYPE, INFO_WON
 
 GAMES = ("cookingworld", "coin", "twc", "mapreader", "arithmetic", "sorting", "simonsays", "peckingorder")
@@ -76,11 +74,6 @@ _STATE_SOURCE = {
 # max_env_steps) long before.
 _ENGINE_STEP_LIMIT = 1_000_000
 JVM_OPTIONS = ("-XX:+UseSerialGC", "-XX:TieredStopAtLevel=1", "-Xmx192m")
-JAVA_MISSING = (
-    "TextWorldExpress runs its games in a Java virtual machine, and no `java` executable is on the PATH. Install a "
-    "Java runtime (version 11 or newer), e.g. `sudo apt-get install -y openjdk-17-jre-headless` on Debian/Ubuntu, "
-    "`brew install openjdk@17` on macOS or `conda install -c conda-forge openjdk=17`, then check `java -version`."
-)
 
 
 def task_type_of(game: str, params: Mapping[str, Any]) -> str:
@@ -121,8 +114,7 @@ class TextWorldExpressEnv(BaseTextEnv):
         super().__init__(max_steps=max_steps)
         if game not in GAMES:
             raise ValueError(f"unknown TextWorldExpress game {game!r}; known: {list(GAMES)}")
-        if shutil.which("java") is None:
-            raise RuntimeError(JAVA_MISSING)
+        require_java("TextWorldExpress")
         self.game, self.params = game, _checked_params(params)
         self.jvm_options = tuple(jvm_options)
         self._engine: Any = None  # textworld_express.TextWorldExpressEnv, started at the first reset
@@ -195,7 +187,7 @@ class TextWorldExpressEnv(BaseTextEnv):
 
     def _load(self, game: str, params: Mapping[str, Any]) -> None:
         if self._engine is None:
-            self._engine = _start_engine(self.jvm_options)
+            self._engine = start_jvm(lambda: Engine(envStepLimit=_ENGINE_STEP_LIMIT), self.jvm_options)
         param_string = ",".join(f"{name}={_param_value(value)}" for name, value in sorted(params.items()))
         if self._loaded != (game, param_string):
             self._engine.load(game, param_string)  # raises ValueError naming unknown or out-of-range parameters
@@ -228,20 +220,6 @@ class TextWorldExpressEnv(BaseTextEnv):
             state["at"] = game.agentLocation().name()
             state["rooms"] = [orjson.loads(room.toJSON()) for room in game.locations()]
         return state
-
-
-def _start_engine(jvm_options: Sequence[str]) -> Any:
-    """A TextWorldExpress engine in a new JVM. The engine launches its JVM with options of its own; the JVM reads
-    more from JAVA_TOOL_OPTIONS, set for the launch only."""
-    previous = os.environ.get("JAVA_TOOL_OPTIONS")
-    os.environ["JAVA_TOOL_OPTIONS"] = " ".join([*jvm_options, previous or ""]).strip()
-    try:
-        return Engine(envStepLimit=_ENGINE_STEP_LIMIT)
-    finally:
-        if previous is None:
-            del os.environ["JAVA_TOOL_OPTIONS"]
-        else:
-            os.environ["JAVA_TOOL_OPTIONS"] = previous
 
 
 def _param_value(value: Any) -> Any:
