@@ -75,6 +75,7 @@ _REGISTRY: dict[str, EnvFactory | str] = {
     "textworld_express": "gigpo_trl.environments.textworld_express_games:TextWorldExpressEnv",
     "openenv": "gigpo_trl.environments.openenv_adapter:OpenEnvAdapter",
     "alfworld": "gigpo_trl.environments.alfworld_games:AlfWorldEnv",
+    "scienceworld": "gigpo_trl.environments.scienceworld_games:ScienceWorldEnv",
 }
 
 

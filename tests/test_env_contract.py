@@ -37,7 +37,13 @@ CASES: dict[str, tuple[Any, str | None]] = {
     "alfworld": ({"data_dir": str(ALFWORLD_GAMES)},
                  None if importlib.util.find_spec("fast_downward") else "needs the alfworld extra"),
     "openenv": (openenv_corridor, None if importlib.util.find_spec("openenv") else "needs the openenv extra"),
+    "scienceworld": ({"task": "find-living-thing", "gold_paths": True},
+                     None if importlib.util.find_spec("scienceworld") and shutil.which("java") else
+                     "needs the scienceworld extra and a Java runtime"),
 }
+# Walkthroughs that may go on after the task is won: ScienceWorld's gold paths hold a few trailing actions, and its
+# heat spreads in a random order (upstream issue #33), so the step that wins can vary.
+MAY_WIN_EARLY = {"scienceworld"}
 SHIPPED = sorted(name for name, factory in envs._REGISTRY.items()
                  if isinstance(factory, str) and factory.startswith("gigpo_trl.environments."))
 
@@ -94,6 +100,8 @@ def test_the_walkthrough_wins_on_its_last_step(name):
     assert walkthrough
     for k, action in enumerate(walkthrough):
         _, _, terminated, truncated, info = env.step(action)
-        assert terminated == (k == len(walkthrough) - 1) and not truncated
+        assert not truncated and (terminated == (k == len(walkthrough) - 1) or (terminated and name in MAY_WIN_EARLY))
+        if terminated:
+            break
     assert info["won"]
     env.close()
