@@ -2,6 +2,7 @@
 
     python bench/bench_rollout.py                        # tiny local model on CPU (about 3 minutes)
     python bench/bench_rollout.py --model DIR_OR_HUB_ID  # any model (e.g. on a GPU)
+    python bench/bench_rollout.py --backends hf paged vllm   # the same rollout with each generation backend
     python bench/bench_rollout.py --iterations recipes/configs/quickstart_cpu.yaml   # where an iteration's time goes
     python bench/bench_rollout.py --iterations BEFORE.yaml AFTER.yaml                # configs side by side, one run
 
@@ -36,9 +37,17 @@ MEMORY_SAMPLES = 64  # samples in the update of the memory comparison
 MEMORY_TOKENS = 32  # completion tokens per sample
 
 
+BACKENDS = {  # GiGPOConfig fields of each generation backend
+    "hf": {},
+    "paged": {"use_transformers_continuous_batching": True},  # transformers' continuous batching (paged attention)
+    "vllm": {"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.3},
+}
+
+
 def bench_rollout(model: str, num_tasks: int, group_size: int, turns: int, tokens: int, repeats: int,
-                  history_length: int, use_vllm: bool = False) -> dict:
-    """Time the multi-turn rollout against one batched generation of as many tokens; prints and returns the figures."""
+                  history_length: int, backend: str = "hf") -> dict:
+    """Time the multi-turn rollout against one batched generation of as many tokens with the same `backend`
+    (BACKENDS); prints and returns the figures."""
     import torch
 
     from gigpo_trl.config import GiGPOConfig
@@ -48,13 +57,13 @@ def bench_rollout(model: str, num_tasks: int, group_size: int, turns: int, token
     from gigpo_trl.trainer import GiGPOTrainer
 
     # Answers of exactly `tokens` tokens: HF generate's and vLLM's names for the lower bound differ.
-    backend = {"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.3} if use_vllm else {}
+    use_vllm = backend == "vllm"
     config = GiGPOConfig(
         output_dir=tempfile.mkdtemp(), env_name="sokoban", per_device_train_batch_size=num_tasks * group_size,
         num_generations=group_size, max_completion_length=tokens, max_env_steps=turns, report_to=[],
         history_length=history_length, gradient_checkpointing=False,
         generation_kwargs={"min_tokens" if use_vllm else "min_new_tokens": tokens},
-        model_init_kwargs={"dtype": "bfloat16"} if torch.cuda.is_available() else None, **backend,
+        model_init_kwargs={"dtype": "bfloat16"} if torch.cuda.is_available() else None, **BACKENDS[backend],
     )
     trainer = GiGPOTrainer(model, args=config, train_dataset=task_dataset(range(num_tasks)))
     tasks = [Task(seed=s) for s in range(num_tasks)]
@@ -97,8 +106,8 @@ def bench_rollout(model: str, num_tasks: int, group_size: int, turns: int, token
     results.sort(key=lambda r: r[0] / r[1])
     rollout_seconds, single_seconds, played, single_tokens = results[len(results) // 2]  # the median run
     ratios = [r[0] / r[1] for r in results]
-    print(f"Rollout: {num_tasks} tasks x {group_size} copies, {played.generate_calls} turns, {tokens} tokens per answer, "
-          f"history K={history_length}")
+    print(f"Rollout ({backend}): {num_tasks} tasks x {group_size} copies, {played.generate_calls} turns, {tokens} tokens "
+          f"per answer, history K={history_length}")
     print(f"  multi-turn rollout       {rollout_seconds:7.2f} s  ({played.generated_tokens} tokens; generation "
           f"{played.generation_seconds:.2f} s, environments {played.env_seconds:.2f} s)")
     print(f"  one batched generation   {single_seconds:7.2f} s  ({single_tokens} tokens)")
@@ -108,7 +117,7 @@ def bench_rollout(model: str, num_tasks: int, group_size: int, turns: int, token
           f"{single_tokens / single_seconds:.0f} in one batched generation")
     trainer.close_environments()
     return {
-        "sequences": pool.num_envs, "turns": played.generate_calls, "history_length": history_length,
+        "backend": backend, "sequences": pool.num_envs, "turns": played.generate_calls, "history_length": history_length,
         "rollout_s": rollout_seconds, "generation_s": played.generation_seconds, "env_s": played.env_seconds,
         "one_generation_s": single_seconds, "ratio": rollout_seconds / single_seconds, "ratio_range": [ratios[0], ratios[-1]],
         "tokens": played.generated_tokens, "tokens_per_s": played.generated_tokens / played.generation_seconds,
@@ -265,6 +274,8 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=64, help="tokens per answer")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--backends", nargs="+", choices=sorted(BACKENDS), default=["hf"],
+                        help="generation backends to time the rollout with, one after the other (default: hf)")
     parser.add_argument("--iterations", metavar="CONFIG", nargs="+",
                         help="time real training iterations of these recipe configs, one after the other")
     parser.add_argument("--num-iterations", type=int, default=3,
@@ -282,8 +293,10 @@ def main() -> None:
     if args.memory_worker:
         print(json.dumps(update_peak_memory(args.memory_worker, args.model, args.output_dir)))
         return
-    for history_length in (0, 2):
-        bench_rollout(args.model, args.tasks, args.group_size, args.turns, args.tokens, args.repeats, history_length)
+    for backend in args.backends:
+        for history_length in (0, 2):
+            bench_rollout(args.model, args.tasks, args.group_size, args.turns, args.tokens, args.repeats, history_length,
+                          backend)
     bench_memory(args.model)
 
 

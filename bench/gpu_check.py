@@ -18,14 +18,21 @@ The checks:
   train_lora_bf16    the same with a LoRA adapter (r 16, all linear layers): the adapter changes, the base does not
   deepspeed_zero2/3  train_full_bf16 through `accelerate launch` with recipes/accelerate/deepspeed_zero{2,3}.yaml
                      on the GPUs present (ZeRO-3 gathers the sharded weights at every turn's generation)
-  vllm_colocate      train_full_bf16 with vLLM colocate generation inside the turn loop
+  vllm_colocate      train_full_bf16 with vLLM colocate generation inside the turn loop, at a learning rate that
+                     moves the policy: vLLM must generate with the updated weights at every iteration (the trainer's
+                     and vLLM's log-probs of the sampled tokens agree: sampling/sampling_logp_difference stays
+                     below VLLM_LOGP_TOLERANCE), and the importance-sampling metrics are finite and logged
+  vllm_colocate_lora the same with a LoRA adapter (vLLM generates with the merged adapter)
+  vllm_sleep_mode    vllm_colocate with vllm_enable_sleep_mode (woken once per rollout, weights pushed again)
+  vllm_server        vllm_colocate's checks with `vllm serve` on localhost (vllm_mode server) on the same GPU
   update_memory      peak GPU memory of one update (after the rollout) of a randomly initialised Qwen2.5-1.5B
                      (its real config, no download) against max_step_samples_per_micro_batch, for rollouts of
                      two sizes: the peak must follow the bound, not the rollout size
   model_size_ladder  the largest Qwen2.5 size (0.5B ... 14B, random init, bf16 weights, full fine-tuning with
                      AdamW) whose training iteration fits at the setting of update_memory
   rollout_throughput bench/bench_rollout.py on the embedded model: generated tokens/s and the rollout /
-                     one-batched-generation ratio with HF generate (and vLLM when installed)
+                     one-batched-generation ratio with HF generate, transformers' paged attention and vLLM (when
+                     installed), with history K=0 and K=2 (target with vLLM: at most 1.15x at K=0)
 
 What a GPU machine without internet needs (nothing is downloaded at run time): PyTorch with CUDA, and the
 packages of this project's install (trl, transformers, accelerate, peft, datasets, rapidfuzz, gguf, pandas,
@@ -76,6 +83,10 @@ MEMORY_BOUNDS = (4, 16)
 MEMORY_TASKS = (2, 4)  # tasks x 4 copies x MEMORY_TURNS steps = 64 and 128 step samples per rollout
 MEMORY_TURNS = 8
 LADDER_BOUND = 8
+# vLLM generates in bf16 with kernels of its own: its log-prob of a sampled token differs from the trainer's by
+# bf16 noise (a few hundredths). Weights left stale after an update at the checks' learning rate differ by more.
+VLLM_LOGP_TOLERANCE = 0.1
+VLLM_SERVER_PORT = 8711
 
 
 @dataclass(frozen=True)
@@ -93,6 +104,9 @@ CHECKS = (
     Check("deepspeed_zero2", ("cuda", "embedded_model", "deepspeed"), 900, "accelerate launch, DeepSpeed ZeRO-2"),
     Check("deepspeed_zero3", ("cuda", "embedded_model", "deepspeed"), 900, "accelerate launch, DeepSpeed ZeRO-3"),
     Check("vllm_colocate", ("cuda", "embedded_model", "vllm"), 900, "vLLM colocate generation in the turn loop"),
+    Check("vllm_colocate_lora", ("cuda", "embedded_model", "vllm", "peft"), 900, "vLLM colocate with a LoRA adapter"),
+    Check("vllm_sleep_mode", ("cuda", "embedded_model", "vllm"), 900, "vLLM colocate with sleep mode"),
+    Check("vllm_server", ("cuda", "embedded_model", "vllm"), 1200, "vllm serve on localhost, vllm_mode server"),
     Check("update_memory", ("cuda", "embedded_model"), 900, "update peak memory against the micro-batch bound"),
     Check("model_size_ladder", ("cuda", "embedded_model"), 1200, "largest Qwen2.5 size whose iteration fits"),
     Check("rollout_throughput", ("cuda", "embedded_model"), 900, "tokens/s and rollout / one-generation ratio"),
@@ -142,7 +156,7 @@ def probe_requirements(names: Sequence[str]) -> dict[str, bool]:
 
 
 def train_once(model: str, output_dir: str, *, lora: bool = False, max_steps: int = 3, use_vllm: bool = False,
-               model_dtype: str | None = None, learning_rate: float | None = None) -> dict:
+               model_dtype: str | None = None, learning_rate: float | None = None, vllm: dict | None = None) -> dict:
     """A short real GiGPO run on 6x6 Sokoban; checks what a user's first GPU run must show.
 
     Returns figures (seconds, losses, metrics of the last iteration, share of weights changed, peak memory) and
@@ -167,7 +181,8 @@ def train_once(model: str, output_dir: str, *, lora: bool = False, max_steps: in
         model_init_kwargs={"dtype": model_dtype} if model_dtype else None,
     )
     if use_vllm:
-        settings.update(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.25, vllm_max_model_length=4096)
+        settings.update(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.25, vllm_max_model_length=4096,
+                        **(vllm or {}))
     trainer = GiGPOTrainer(model, args=GiGPOConfig(**settings), train_dataset=task_dataset(range(64)),
                            peft_config=peft_config)
     before = parameter_snapshot(trainer.model)
@@ -200,6 +215,11 @@ def train_once(model: str, output_dir: str, *, lora: bool = False, max_steps: in
                 "gigpo/singleton_share", "gigpo/step_group_size_mean", "gigpo/step_advantage_std",
                 "gigpo/episode_advantage_std", "generation/tokens_per_s", "timing/rollout_s", "timing/update_s"):
         figures[key] = logs[-1].get(key) if logs else None
+    if use_vllm:
+        for key in ("sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max",
+                    "sampling/importance_sampling_ratio/min", "sampling/importance_sampling_ratio/mean",
+                    "sampling/importance_sampling_ratio/max"):
+            figures[key] = [entry.get(key) for entry in logs]
     if lora:
         figures["adapter_changed_share"] = _mean([changed[name] for name in adapter])
         figures["base_changed_share"] = _mean([changed[name] for name in base])
@@ -225,8 +245,25 @@ def train_once(model: str, output_dir: str, *, lora: bool = False, max_steps: in
             problems.append(f"base weights changed under LoRA ({figures['base_changed_share']:.3g} of them)")
     elif figures["weights_changed_share"] == 0.0:
         problems.append("no weight changed")
+    if use_vllm:
+        problems += vllm_problems(figures)
     figures["problems"] = problems
     return figures
+
+
+def vllm_problems(figures: dict) -> list[str]:
+    """What a vLLM run must show: importance-sampling metrics logged and finite at every iteration, and vLLM's
+    log-probs of its samples within VLLM_LOGP_TOLERANCE of the trainer's (vLLM generated with the current weights)."""
+    problems = []
+    for key in ("sampling/sampling_logp_difference/mean", "sampling/importance_sampling_ratio/mean"):
+        values = figures.get(key) or []
+        if not values or not all(v is not None and math.isfinite(v) for v in values):
+            problems.append(f"{key} not logged and finite at every iteration: {values}")
+    differences = [v for v in figures.get("sampling/sampling_logp_difference/mean") or [] if v is not None]
+    if any(v > VLLM_LOGP_TOLERANCE for v in differences):
+        problems.append(f"vLLM's log-probs differ from the trainer's by {max(differences):.3g} (> {VLLM_LOGP_TOLERANCE}): "
+                        "it generated with weights other than the trainer's")
+    return problems
 
 
 def parameter_snapshot(model) -> dict:
@@ -306,17 +343,21 @@ def update_peak(size: str, bound: int, num_tasks: int, output_dir: str, tokenize
     }
 
 
-def rollout_figures(model: str, use_vllm: bool) -> dict:
-    """bench_rollout on `model`: tokens/s and the ratio to one batched generation, with K=0 and K=2 history."""
+def rollout_figures(model: str, backend: str) -> dict:
+    """bench_rollout on `model` with `backend` ("hf", "paged" or "vllm"): tokens/s and the ratio to one batched
+    generation of the same tokens, with K=0 and K=2 history."""
     from bench.bench_rollout import bench_rollout
 
     results = {}
     for history_length in (0, 2):
         results[f"history_{history_length}"] = bench_rollout(
             model, num_tasks=8, group_size=8, turns=8, tokens=32, repeats=3, history_length=history_length,
-            use_vllm=use_vllm,
+            backend=backend,
         )
     results["problems"] = []
+    if backend == "vllm" and results["history_0"]["ratio"] > 1.15:
+        results["problems"].append(f"the rollout takes {results['history_0']['ratio']:.2f}x one vLLM generation at K=0 "
+                                   "(target: at most 1.15x)")
     return results
 
 
@@ -444,11 +485,50 @@ def check_model_size_ladder(options, log) -> dict:
 
 
 def check_rollout(options, log) -> dict:
-    result = run_worker("rollout", {"model": options.model, "use_vllm": False}, options.timeout or 900, log=log)
-    if _has_module("vllm") and not result.get("problems"):
-        result["vllm"] = run_worker("rollout", {"model": options.model, "use_vllm": True}, options.timeout or 900, log=log)
-        result["problems"] = result["vllm"].get("problems", [])
+    result = run_worker("rollout", {"model": options.model, "backend": "hf"}, options.timeout or 900, log=log)
+    result["paged"] = run_worker("rollout", {"model": options.model, "backend": "paged"}, options.timeout or 900, log=log)
+    if _has_module("vllm"):
+        result["vllm"] = run_worker("rollout", {"model": options.model, "backend": "vllm"}, options.timeout or 900, log=log)
+    result["problems"] = [*result.get("problems", []), *(p for key in ("paged", "vllm") for p in result.get(key, {}).get("problems", []))]
     return result
+
+
+def check_vllm_server(options, log) -> dict:
+    """`vllm serve` of the model on localhost, then vllm_colocate's training checks in server mode on the same GPU."""
+    from gigpo_trl.models import resolve_model
+
+    model = resolve_model(options.model)
+    vllm = shutil.which("vllm") or [sys.executable, "-m", "vllm.entrypoints.cli.main"]
+    command = [*([vllm] if isinstance(vllm, str) else vllm), "serve", model, "--port", str(VLLM_SERVER_PORT),
+               "--gpu-memory-utilization", "0.3", "--max-model-len", "4096", "--weight-transfer-config",
+               '{"backend":"nccl"}', "--logprobs-mode", "processed_logprobs"]
+    environment = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_USE_FLASHINFER_SAMPLER": "0"}
+    server = subprocess.Popen(command, stdout=log or subprocess.DEVNULL, stderr=subprocess.STDOUT, env=environment)
+    try:
+        if not _wait_for_server(f"http://127.0.0.1:{VLLM_SERVER_PORT}/health", server, timeout=600):
+            return {"problems": [f"vllm serve did not answer on port {VLLM_SERVER_PORT} (exit code {server.poll()})"]}
+        return check_train(options, log, use_vllm=True, learning_rate=1e-4, vllm={
+            "vllm_mode": "server", "vllm_server_base_url": f"http://127.0.0.1:{VLLM_SERVER_PORT}"})
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
+def _wait_for_server(url: str, server: subprocess.Popen, timeout: float) -> bool:
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and server.poll() is None:
+        try:
+            with urllib.request.urlopen(url, timeout=5) as answer:
+                if answer.status == 200:
+                    return True
+        except OSError:
+            time.sleep(2)
+    return False
 
 
 RUNNERS: dict[str, Callable] = {
@@ -457,7 +537,11 @@ RUNNERS: dict[str, Callable] = {
     "train_lora_bf16": lambda options, log: check_train(options, log, lora=True),
     "deepspeed_zero2": lambda options, log: check_deepspeed(options, log, 2),
     "deepspeed_zero3": lambda options, log: check_deepspeed(options, log, 3),
-    "vllm_colocate": lambda options, log: check_train(options, log, use_vllm=True),
+    "vllm_colocate": lambda options, log: check_train(options, log, use_vllm=True, learning_rate=1e-4),
+    "vllm_colocate_lora": lambda options, log: check_train(options, log, use_vllm=True, lora=True, learning_rate=1e-3),
+    "vllm_sleep_mode": lambda options, log: check_train(options, log, use_vllm=True, learning_rate=1e-4,
+                                                        vllm={"vllm_enable_sleep_mode": True}),
+    "vllm_server": check_vllm_server,
     "update_memory": check_update_memory,
     "model_size_ladder": check_model_size_ladder,
     "rollout_throughput": check_rollout,
@@ -547,14 +631,19 @@ def _figures_text(name: str, figures: dict) -> str:
         for key in ("weights_changed_share", "adapter_changed_share", "base_changed_share"):
             if key in figures:
                 text += f"; {key.replace('_', ' ')} {_number(figures[key])}"
+        differences = [v for v in figures.get("sampling/sampling_logp_difference/mean") or [] if v is not None]
+        if differences:
+            text += f"; vLLM - trainer log-prob difference at most {_number(max(differences))} (mean over tokens)"
     elif name == "update_memory":
         text = "; ".join(f"bound {r['bound']}, {r['step_samples']:.0f} samples: {_number(_added_mib(r))} MiB added"
                          for r in figures.get("runs", []) if _added_mib(r) is not None)
     elif name == "model_size_ladder":
         text = f"largest that fits: {figures.get('largest_that_fits')}"
     elif name == "rollout_throughput":
-        text = "; ".join(f"K={key[-1]}: {_number(r.get('tokens_per_s'))} tokens/s, ratio {_number(r.get('ratio'))}x"
-                         for key, r in figures.items() if key.startswith("history_") and isinstance(r, dict))
+        text = "; ".join(f"{backend} K={key[-1]}: {_number(r.get('tokens_per_s'))} tokens/s, ratio {_number(r.get('ratio'))}x"
+                         for backend, part in (("HF generate", figures), ("paged", figures.get("paged", {})),
+                                               ("vLLM", figures.get("vllm", {})))
+                         for key, r in part.items() if key.startswith("history_") and isinstance(r, dict))
     else:
         text = ""
     return f"{text} **{problems}**" if problems else text

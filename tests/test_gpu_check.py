@@ -147,3 +147,14 @@ def test_a_worker_that_fails_reports_the_error_instead_of_figures(tmp_path):
     result = run_worker("train", {"model": str(tmp_path / "no-such-model"), "max_steps": 1}, timeout=600)
     assert len(result["problems"]) == 2 and "exit code 1" in result["problems"][1]
     assert "no-such-model" in result["problems"][0]
+
+
+def test_a_vllm_run_must_log_finite_sampling_metrics_within_the_log_prob_tolerance():
+    fine = {"sampling/sampling_logp_difference/mean": [0.02, 0.03, 0.02], "sampling/importance_sampling_ratio/mean": [1.0, 0.99, 1.01]}
+    assert gpu_check.vllm_problems(fine) == []
+
+    stale = {**fine, "sampling/sampling_logp_difference/mean": [0.02, 0.6, 0.9]}  # vLLM kept the first weights
+    assert gpu_check.vllm_problems(stale) == ["vLLM's log-probs differ from the trainer's by 0.9 (> 0.1): it generated "
+                                              "with weights other than the trainer's"]
+    missing = {**fine, "sampling/importance_sampling_ratio/mean": [1.0, None, float("nan")]}
+    assert "sampling/importance_sampling_ratio/mean not logged and finite at every iteration" in gpu_check.vllm_problems(missing)[0]
