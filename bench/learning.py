@@ -4,6 +4,9 @@
     python bench/learning.py --config recipes/configs/X.yaml --model MODEL   # e.g. a GPU setting
     python bench/learning.py --output outputs/learning_100 --max_steps 100   # unknown arguments go to the recipe
     python bench/learning.py --reading-probe 250 --output outputs/probe      # can the model read? (no RL)
+    python bench/learning.py --parallel --detach --config C --model M --output O   # 6 runs at once, in the background
+    python bench/learning.py --analyze-only --output O                       # collect them (cut-off runs too)
+    python bench/learning.py --screen C1 C2 ... --model M                    # choose a setting: the base model's numbers
 
 Each (method, seed) run is `recipes/train_gigpo.py --config CONFIG --step_advantage_weight {1, 0} --seed S`, so
 both methods share every other setting. Per-rollout success rate and return (training rollouts and held-out
@@ -14,6 +17,17 @@ Without --model, the policy is a tiny transformer built locally (gigpo_trl.model
 short supervised warm-up on the answer FORMAT only: for prompts of random states, the target is
 "<action>k</action>" with k drawn uniformly among the admissible actions, so it starts as a uniformly random
 policy that answers well-formed, with no knowledge of the task.
+
+With --parallel the runs start at once, one process each (on one GPU they share it), instead of one after the other.
+Every run writes its records as it goes (gigpo/iterations.jsonl, evaluations.jsonl), so a run cut off still reports:
+--analyze-only redoes the comparison from whatever the runs have written. --detach starts the whole command in a new
+process session (it outlives the shell), writes its output to OUTPUT/learning.log and returns at once. The summary
+applies the pre-registered criterion of docs/results.md: decided when one method's final held-out success is above
+the other's on every seed.
+
+--screen plays each candidate config's held-out panel greedily with the base model (no training) and one sampled
+rollout, and prints what choosing a setting needs: held-out success, the optimal path length (the walkthrough's),
+and the step groups (mean size, singleton share) that the copies of a task form.
 
 Rooms diagnostics, in the summary and the plot (docs/results.md reads them): the share of steps that follow the
 draught, the mean advantage of steps that follow it and of those that go against it, and the policy entropy
@@ -39,6 +53,7 @@ import numpy as np
 from gigpo_trl.records import read_iterations, read_trajectories
 
 ROOT = Path(__file__).resolve().parent.parent
+EMBEDDED = "embedded:SmolLM2-135M-Instruct"
 METHODS = {"GiGPO": 1.0, "GRPO (omega=0)": 0.0}
 
 
@@ -162,15 +177,82 @@ def reading_probe(model_dir: str, settings: dict, learning_rate: float, steps: i
     return curve
 
 
-def run(config: Path, model: str, omega: float, seed: int, output_dir: Path, overrides: list[str]) -> float:
-    """One training run through the recipe; returns its wall time in seconds."""
+def start_run(config: Path, model: str, omega: float, seed: int, output_dir: Path, overrides: list[str]) -> subprocess.Popen:
+    """One training run through the recipe, started in a process of its own (its output in OUTPUT_DIR.log)."""
     command = [sys.executable, str(ROOT / "recipes" / "train_gigpo.py"), "--config", str(config),
                "--model_name_or_path", model, "--step_advantage_weight", str(omega), "--seed", str(seed),
                "--output_dir", str(output_dir), *overrides]
-    started = time.perf_counter()
     with open(output_dir.with_suffix(".log"), "w") as log:
-        subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, check=True)
-    return time.perf_counter() - started
+        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+
+
+def train_all(runs: dict[tuple[str, int], Path], config: Path, model: str, overrides: list[str],
+              parallel: bool) -> dict[str, float]:
+    """Every (method, seed) run, one after the other or all at once; returns their wall times in seconds."""
+    started, processes, seconds = {}, {}, {}
+
+    def finish(key):
+        if processes[key].wait():
+            raise RuntimeError(f"{key[0]} seed {key[1]} failed: see {runs[key].with_suffix('.log')}")
+        seconds[f"{key[0]} seed {key[1]}"] = time.perf_counter() - started[key]
+        print(f"{key[0]:16s} seed {key[1]}: {seconds[f'{key[0]} seed {key[1]}']:.0f} s", flush=True)
+
+    for key, output_dir in runs.items():
+        started[key] = time.perf_counter()
+        processes[key] = start_run(config, model, METHODS[key[0]], key[1], output_dir, overrides)
+        if not parallel:
+            finish(key)
+    if parallel:
+        for key in runs:
+            finish(key)
+    return seconds
+
+
+def detach(output: Path) -> None:
+    """This command again, without --detach, in a new process session writing to OUTPUT/learning.log."""
+    arguments = [argument for argument in sys.argv[1:] if argument != "--detach"]
+    with open(output / "learning.log", "w") as log:
+        process = subprocess.Popen([sys.executable, *sys.argv[:1], *arguments], stdout=log, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
+    print(f"started in the background (pid {process.pid}); output: {output / 'learning.log'}; collect with "
+          f"python bench/learning.py --analyze-only --output {output}")
+
+
+def screen(config: Path, model: str, eval_tasks: int, sampled_tasks: int, copies: int) -> dict:
+    """What choosing a setting needs, from the base model (no training): its greedy held-out success and episode
+    length on the first `eval_tasks` tasks of the config's eval fold, the optimal path length of those tasks (their
+    walkthrough), and one sampled rollout of `sampled_tasks` x `copies`: success and step groups."""
+    from trl import ModelConfig, TrlParser
+
+    from gigpo_trl import GiGPOConfig, GiGPOTrainer, TaskArguments, make_env
+
+    overrides = ["--output_dir", str(ROOT / "outputs" / "screen" / config.stem), "--num_eval_tasks", str(eval_tasks),
+                 "--per_device_eval_batch_size", str(eval_tasks), "--num_generations", str(copies),
+                 "--per_device_train_batch_size", str(sampled_tasks * copies), "--steps_per_generation", "1",
+                 "--gradient_accumulation_steps", "1", "--report_to", "none", "--log_trajectories", "0"]
+    task_args, args, _ = TrlParser((TaskArguments, GiGPOConfig, ModelConfig)).parse_args_and_config(
+        args=["--config", str(config), *overrides])
+    train, panel = task_args.datasets(args.env_name, args.env_kwargs)
+    trainer = GiGPOTrainer(model, args=args, train_dataset=train, eval_dataset=panel)
+    held_out = trainer.evaluate()
+    env = make_env(args.env_name, **args.env_kwargs)
+    optimal = []
+    for seed in panel["seed"]:
+        env.reset(seed=seed)
+        optimal.append(len(env.walkthrough))
+    env.close()
+    trainer.model.train()
+    rows = [train[k] for k in range(sampled_tasks) for _ in range(copies)]
+    trainer._generate_and_score_completions(rows)  # one sampled rollout, no update
+    sampled = {name: values[-1] for name, values in trainer._metrics["train"].items() if values}
+    trainer.close_environments()
+    return {
+        "config": str(config), "held_out_success": held_out["eval_env/success_rate"],
+        "held_out_episode_length": held_out["eval_env/episode_length_mean"],
+        "optimal_path_mean": float(np.mean(optimal)), "optimal_path_min": int(min(optimal)),
+        "sampled_success": sampled["env/success_rate"], "step_group_size_mean": sampled["gigpo/step_group_size_mean"],
+        "singleton_share": sampled["gigpo/singleton_share"], "rollout_s": sampled["timing/rollout_s"],
+    }
 
 
 def draught_steps(output_dir: Path) -> list[tuple[int, bool, dict]]:
@@ -220,6 +302,9 @@ def curves(runs: dict[tuple[str, int], Path], hint_steps: dict[tuple[str, int], 
     """One row per (method, seed, rollout): step, mode, success rate, return, step-group statistics, timings."""
     rows = []
     for (method, seed), output_dir in runs.items():
+        if not (output_dir / "gigpo" / "iterations.jsonl").is_file():  # not started yet, or failed at once
+            print(f"{method} seed {seed}: no records in {output_dir}", flush=True)
+            continue
         following = draught_following(hint_steps[method, seed])
         entropy = iter(logged_entropy(output_dir.with_suffix(".log")))  # the k-th update follows the k-th rollout
         for record in read_iterations(output_dir):
@@ -285,6 +370,7 @@ def summary(rows: list[dict], seeds: list[int]) -> dict:
         result[mode] = {"trailing_window": window,
                         "success_rate": _comparison(rows, mode, "success_rate", window, higher_is_better=True),
                         "episode_length": _comparison(rows, mode, "episode_length", window, higher_is_better=False)}
+    result["decision"] = decision(rows)
     train = [r for r in rows if r["mode"] == "train"]
     for method in METHODS:
         mine = [r for r in train if r["method"] == method]
@@ -304,6 +390,22 @@ def summary(rows: list[dict], seeds: list[int]) -> dict:
                     "last_20_iterations": float(np.nanmean([r[field] for r in mine if r["step"] > last - 20])),
                 }
     return result
+
+
+def decision(rows: list[dict]) -> str:
+    """The pre-registered criterion (docs/results.md): decided when one method's final held-out success is above the
+    other's on every seed (each run's last evaluation); otherwise undecided."""
+    final: dict[str, dict[int, float]] = {method: {} for method in METHODS}
+    for row in sorted((r for r in rows if r["mode"] == "eval"), key=lambda r: r["step"]):
+        final[row["method"]][row["seed"]] = row["success_rate"]
+    gigpo, baseline = METHODS
+    seeds = sorted(set(final[gigpo]) & set(final[baseline]))
+    if not seeds:
+        return "undecided: no held-out evaluation"
+    for better, worse in ((gigpo, baseline), (baseline, gigpo)):
+        if all(final[better][seed] > final[worse][seed] for seed in seeds):
+            return f"decided: {better} above {worse} on every seed ({len(seeds)})"
+    return f"undecided: neither method is above the other on every seed ({len(seeds)})"
 
 
 def _comparison(rows: list[dict], mode: str, field: str, window: int, higher_is_better: bool) -> dict:
@@ -337,11 +439,25 @@ def main() -> None:
     what = parser.add_mutually_exclusive_group()
     what.add_argument("--analyze-only", action="store_true", help="skip training: redo the CSV, plot and summary "
                       "from the runs already in --output")
+    what.add_argument("--screen", type=Path, nargs="+", metavar="CONFIG", help="screen candidate settings with the "
+                      "base model (see above); prints and writes OUTPUT/screen.json")
     what.add_argument("--reading-probe", type=int, metavar="STEPS", default=None,
                       help="rooms only, no RL: supervised learning with perfect labels from the same start, "
                       "for STEPS updates at the config's learning rate; writes OUTPUT/reading_probe.json")
+    parser.add_argument("--parallel", action="store_true", help="start every run at once (one process each)")
+    parser.add_argument("--detach", action="store_true", help="run in a new process session, output to OUTPUT/learning.log")
+    parser.add_argument("--screen-tasks", type=int, nargs=3, default=[32, 4, 8], metavar=("EVAL", "SAMPLED", "COPIES"),
+                        help="--screen's held-out tasks, sampled tasks and copies per sampled task")
     args, overrides = parser.parse_known_args()  # the rest goes to the recipe, e.g. --max_steps 100
     args.output.mkdir(parents=True, exist_ok=True)
+    if args.detach:
+        detach(args.output)
+        return
+    if args.screen:
+        results = [screen(config, args.model or EMBEDDED, *args.screen_tasks) for config in args.screen]
+        (args.output / "screen.json").write_text(json.dumps(results, indent=2))
+        print(json.dumps(results, indent=2))
+        return
     import yaml
 
     settings = yaml.safe_load(args.config.read_text())
@@ -359,11 +475,7 @@ def main() -> None:
         curve = reading_probe(model, settings, settings["learning_rate"], args.reading_probe)
         (args.output / "reading_probe.json").write_text(json.dumps(curve, indent=2))
         return
-    seconds = {}
-    if not args.analyze_only:
-        for (method, seed), output_dir in runs.items():
-            seconds[f"{method} seed {seed}"] = run(args.config, model, METHODS[method], seed, output_dir, overrides)
-            print(f"{method:16s} seed {seed}: {seconds[f'{method} seed {seed}']:.0f} s", flush=True)
+    seconds = {} if args.analyze_only else train_all(runs, args.config, model, overrides, args.parallel)
     hint_steps = {run: draught_steps(output_dir) for run, output_dir in runs.items()}  # each run's records read once
     rows = curves(runs, hint_steps)
     with open(args.output / "learning_curves.csv", "w", newline="") as file:

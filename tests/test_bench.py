@@ -123,3 +123,45 @@ def test_configs_are_timed_side_by_side_in_one_run(tiny_model_path, tmp_path, ca
     assert all(median["seconds"] > 0 and median["step_samples_per_s"] > 0 for median in medians.values())
     side_by_side = capsys.readouterr().out.split("Median iteration, side by side:")[1]
     assert str(smoke) in side_by_side and str(shorter) in side_by_side
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_comparison_runs_six_processes_at_once_and_reports_the_pre_registered_decision(tiny_model_path, tmp_path):
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    command = [sys.executable, str(root / "bench" / "learning.py"), "--parallel", "--config",
+               str(root / "recipes" / "configs" / "learning_rooms_cpu.yaml"), "--model", tiny_model_path, "--output",
+               str(tmp_path), "--max_steps", "2", "--num_eval_tasks", "4", "--per_device_eval_batch_size", "4",
+               "--eval_steps", "1"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=root)
+
+    assert result.returncode == 0, result.stderr[-4000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert len(summary["wall_seconds"]) == 6 and summary["decision"].startswith(("decided", "undecided"))
+    rows = (tmp_path / "learning_curves.csv").read_text().splitlines()[1:]
+    assert {(row.split(",")[0], row.split(",")[1]) for row in rows} == {
+        (method, str(seed)) for method in ("GiGPO", "GRPO (omega=0)") for seed in range(3)}
+    assert (tmp_path / "learning_curves.png").is_file()
+    # --analyze-only compares what the runs have written so far: here one run has no records (not started).
+    shutil.rmtree(tmp_path / "gigpo-seed2" / "gigpo")
+    subprocess.run([*command[:2], "--analyze-only", "--output", str(tmp_path)], check=True, capture_output=True, cwd=root)
+    rows = (tmp_path / "learning_curves.csv").read_text().splitlines()[1:]
+    assert len({(row.split(",")[0], row.split(",")[1]) for row in rows}) == 5
+
+
+def test_the_decision_is_the_pre_registered_criterion():
+    from bench.learning import decision
+
+    def rows(gigpo, grpo):
+        return [{"method": method, "seed": seed, "mode": "eval", "step": step, "success_rate": value}
+                for method, finals in (("GiGPO", gigpo), ("GRPO (omega=0)", grpo))
+                for seed, value in enumerate(finals) for step, value in ((0, 0.1), (100, value))]
+
+    assert decision(rows([0.6, 0.5, 0.7], [0.4, 0.4, 0.6])) == "decided: GiGPO above GRPO (omega=0) on every seed (3)"
+    assert decision(rows([0.3, 0.3, 0.3], [0.4, 0.5, 0.6])).startswith("decided: GRPO (omega=0) above GiGPO")
+    assert decision(rows([0.6, 0.4, 0.7], [0.4, 0.4, 0.6])).startswith("undecided")  # a tie on one seed
