@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from gigpo_trl.envs import EnvFactory, fold_seeds
+from gigpo_trl.shortest_paths import seeds_by_optimal_steps
 
 if TYPE_CHECKING:
     from datasets import Dataset
@@ -122,10 +123,35 @@ class TaskArguments:
                              "eval_fold (0: no evaluation)."}
     )
     eval_fold: str = field(default="dev", metadata={"help": "Fold of the held-out tasks: 'dev' or 'test'."})
+    min_optimal_steps: int = field(
+        default=0, metadata={"help": "Keep only tasks whose fewest winning steps are at least this many, found by a "
+                             "breadth-first search over the admissible actions (gigpo_trl.shortest_paths, cached on "
+                             "disk); 0 keeps every task. Needs max_optimal_steps."}
+    )
+    max_optimal_steps: int = field(
+        default=0, metadata={"help": "With min_optimal_steps: the search's depth; tasks not won within it are "
+                             "skipped (e.g. max_env_steps)."}
+    )
+
+    def __post_init__(self) -> None:
+        if self.min_optimal_steps < 0 or self.max_optimal_steps < 0:
+            raise ValueError("min_optimal_steps and max_optimal_steps must be >= 0")
+        if bool(self.min_optimal_steps) != bool(self.max_optimal_steps):
+            raise ValueError("min_optimal_steps and max_optimal_steps go together (the range of the tasks' fewest "
+                             f"winning steps), got {self.min_optimal_steps} and {self.max_optimal_steps}")
+        if self.min_optimal_steps > self.max_optimal_steps:
+            raise ValueError(f"min_optimal_steps={self.min_optimal_steps} exceeds "
+                             f"max_optimal_steps={self.max_optimal_steps}")
 
     def datasets(self, env: str | EnvFactory, env_kwargs: dict[str, Any]) -> tuple[Dataset, Dataset | None]:
         """The training tasks and the held-out panel (None without evaluation) of `make_env(env, **env_kwargs)`."""
-        train = task_dataset(fold_seeds(env, "train", self.num_train_tasks, **env_kwargs))
+        train = task_dataset(self.seeds(env, "train", self.num_train_tasks, env_kwargs))
         if not self.num_eval_tasks:
             return train, None
-        return train, task_dataset(fold_seeds(env, self.eval_fold, self.num_eval_tasks, **env_kwargs))
+        return train, task_dataset(self.seeds(env, self.eval_fold, self.num_eval_tasks, env_kwargs))
+
+    def seeds(self, env: str | EnvFactory, fold: str, count: int, env_kwargs: dict[str, Any]) -> list[int]:
+        """The first `count` seeds of `fold`, of the tasks in the optimal-steps range when one is set."""
+        if not self.min_optimal_steps:
+            return fold_seeds(env, fold, count, **env_kwargs)
+        return seeds_by_optimal_steps(env, fold, count, self.min_optimal_steps, self.max_optimal_steps, **env_kwargs)
