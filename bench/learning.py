@@ -26,7 +26,7 @@ applies the pre-registered criterion of docs/results.md: decided when one method
 the other's on every seed.
 
 --screen plays each candidate config's held-out panel greedily with the base model (no training) and one sampled
-rollout, and prints what choosing a setting needs: held-out success, the optimal path length (the walkthrough's),
+rollout, and prints what choosing a setting needs: held-out success, the optimal path length (breadth-first),
 and the step groups (mean size, singleton share) that the copies of a task form.
 
 Rooms diagnostics, in the summary and the plot (docs/results.md reads them): the share of steps that follow the
@@ -220,13 +220,15 @@ def detach(output: Path) -> None:
 
 def screen(config: Path, model: str, eval_tasks: int, sampled_tasks: int, copies: int) -> dict:
     """What choosing a setting needs, from the base model (no training): its greedy held-out success and episode
-    length on the first `eval_tasks` tasks of the config's eval fold, the optimal path length of those tasks (their
-    walkthrough), and one sampled rollout of `sampled_tasks` x `copies`: success and step groups."""
+    length on the first `eval_tasks` tasks of the config's eval fold, the optimal path length of those tasks
+    (`shortest_path_length`), and one sampled rollout of `sampled_tasks` x `copies`: success and step groups."""
     from trl import ModelConfig, TrlParser
 
     from gigpo_trl import GiGPOConfig, GiGPOTrainer, TaskArguments, make_env
+    from gigpo_trl.shortest_paths import shortest_path_length
 
     overrides = ["--output_dir", str(ROOT / "outputs" / "screen" / config.stem), "--num_eval_tasks", str(eval_tasks),
+                 "--num_train_tasks", str(sampled_tasks),
                  "--per_device_eval_batch_size", str(eval_tasks), "--num_generations", str(copies),
                  "--per_device_train_batch_size", str(sampled_tasks * copies), "--steps_per_generation", "1",
                  "--gradient_accumulation_steps", "1", "--report_to", "none", "--log_trajectories", "0"]
@@ -236,11 +238,9 @@ def screen(config: Path, model: str, eval_tasks: int, sampled_tasks: int, copies
     trainer = GiGPOTrainer(model, args=args, train_dataset=train, eval_dataset=panel)
     held_out = trainer.evaluate()
     env = make_env(args.env_name, **args.env_kwargs)
-    optimal = []
-    for seed in panel["seed"]:
-        env.reset(seed=seed)
-        optimal.append(len(env.walkthrough))
+    optimal = [shortest_path_length(env, seed, args.max_env_steps) for seed in panel["seed"]]
     env.close()
+    reachable = [length for length in optimal if length is not None]
     trainer.model.train()
     rows = [train[k] for k in range(sampled_tasks) for _ in range(copies)]
     trainer._generate_and_score_completions(rows)  # one sampled rollout, no update
@@ -249,7 +249,8 @@ def screen(config: Path, model: str, eval_tasks: int, sampled_tasks: int, copies
     return {
         "config": str(config), "held_out_success": held_out["eval_env/success_rate"],
         "held_out_episode_length": held_out["eval_env/episode_length_mean"],
-        "optimal_path_mean": float(np.mean(optimal)), "optimal_path_min": int(min(optimal)),
+        "optimal_path_mean": float(np.mean(reachable)) if reachable else None,
+        "optimal_path_min": min(reachable, default=None), "unwinnable_within_limit": optimal.count(None),
         "sampled_success": sampled["env/success_rate"], "step_group_size_mean": sampled["gigpo/step_group_size_mean"],
         "singleton_share": sampled["gigpo/singleton_share"], "rollout_s": sampled["timing/rollout_s"],
     }
@@ -454,9 +455,12 @@ def main() -> None:
         detach(args.output)
         return
     if args.screen:
-        results = [screen(config, args.model or EMBEDDED, *args.screen_tasks) for config in args.screen]
-        (args.output / "screen.json").write_text(json.dumps(results, indent=2))
-        print(json.dumps(results, indent=2))
+        results = []
+        for config in args.screen:  # each result printed and saved as it comes: a screen takes minutes per config
+            results.append(screen(config, args.model or EMBEDDED, *args.screen_tasks))
+            args.output.mkdir(parents=True, exist_ok=True)
+            (args.output / "screen.json").write_text(json.dumps(results, indent=2))
+            print(json.dumps(results[-1], indent=2), flush=True)
         return
     import yaml
 
