@@ -7,7 +7,7 @@ costs: its valid actions fetched three ways, and a pool of 16 tasks x 8 copies (
     python bench/bench_env_pool.py --turns 5 --only sokoban scienceworld
 
 Every turn steps all 128 environments once with one of their admissible actions (the same seeded
-choices in both modes). The first run generates the 16 cooking games into the cache (about 1 s each).
+choices in both modes); the resets of the one-process run are timed too (games already cached). The first run generates the 16 cooking games into the cache (about 1 s each).
 ScienceWorld's pool plays commands drawn from the first room's (valid actions are off by default there: thousands
 of them, about 30 ms a step); its memory is the growth of the machine's used memory (MemTotal - MemAvailable) per
 environment, worker process and JVM included.
@@ -32,10 +32,14 @@ ENVIRONMENTS = {
 SCIENCEWORLD_TASK = "boil"
 
 
-def play_sequentially(name: str, kwargs: dict, tasks: list[Task], group_size: int, turns: int) -> tuple[float, int]:
+def play_sequentially(name: str, kwargs: dict, tasks: list[Task], group_size: int,
+                      turns: int) -> tuple[float, float, int]:
+    """Returns the seconds of the resets, the seconds of the turns and the steps taken."""
     make = env_factory(name, **kwargs)
     envs = [make() for _ in range(len(tasks) * group_size)]
+    started = time.perf_counter()
     outputs = [env.reset(seed=tasks[i // group_size].seed) for i, env in enumerate(envs)]
+    reset_s = time.perf_counter() - started
     choose = random.Random(0)
     infos = [info for _, info in outputs]
     live = set(range(len(envs)))
@@ -49,7 +53,7 @@ def play_sequentially(name: str, kwargs: dict, tasks: list[Task], group_size: in
     seconds = time.perf_counter() - started
     for env in envs:
         env.close()
-    return seconds, steps
+    return reset_s, seconds, steps
 
 
 def play_in_pool(name: str, kwargs: dict, tasks: list[Task], group_size: int, turns: int) -> tuple[float, int]:
@@ -146,12 +150,13 @@ def main() -> None:
         if args.only and name not in args.only:
             continue
         play_sequentially(name, kwargs, tasks, args.group_size, 1)  # generate and cache the games first
-        sequential_s, sequential_steps = play_sequentially(name, kwargs, tasks, args.group_size, args.turns)
+        reset_s, sequential_s, sequential_steps = play_sequentially(name, kwargs, tasks, args.group_size, args.turns)
         pool_s, pool_steps = play_in_pool(name, kwargs, tasks, args.group_size, args.turns)
         print(f"  {label:18s} one process: {sequential_steps / sequential_s:8.0f} steps/s "
               f"({1e3 * sequential_s / args.turns:6.1f} ms per turn of {num_envs})   "
               f"pool: {pool_steps / pool_s:8.0f} steps/s ({1e3 * pool_s / args.turns:6.1f} ms per turn)   "
-              f"pool / one process: {(pool_steps / pool_s) / (sequential_steps / sequential_s):.2f}x")
+              f"pool / one process: {(pool_steps / pool_s) / (sequential_steps / sequential_s):.2f}x   "
+              f"reset: {1e3 * reset_s / num_envs:.1f} ms each")
     if not args.only or "scienceworld" in args.only:
         scienceworld_valid_actions()
         scienceworld_pool(tasks, args.group_size, args.turns)

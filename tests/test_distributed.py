@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -60,9 +59,9 @@ def test_two_processes_with_uneven_episodes_finish_and_match_one_process(tmp_pat
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_an_error_on_one_process_ends_every_process_promptly_with_the_message(tmp_path, tiny_model_path):
-    started = time.monotonic()
+    # A process left waiting in a collective would wait for gloo's 30-minute timeout; torchrun's 240 s limit
+    # (subprocess.TimeoutExpired) fails the test long before that.
     result = torchrun(2, tiny_model_path, str(tmp_path), "bad_anchor_on_rank_1", timeout=240)
 
     assert result.returncode != 0
-    assert time.monotonic() - started < 60
     assert "environment 'bad_anchor_on_rank_1': info['anchor'] must be hashable" in result.stderr

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 import warnings
 
 import pytest
@@ -52,10 +51,9 @@ def test_steps_only_the_environments_asked_for():
     ],
 )
 def test_a_failing_environment_ends_only_its_own_trajectory(fragile_pool, action, reason):
-    started = time.monotonic()
+    # The step returns although environment 0 failed: a pool that waited forever would fail on pytestmark's timeout.
     outputs = fragile_pool.step({0: action, 1: "right", 2: "right", 3: "left"})
 
-    assert time.monotonic() - started < 10
     failed = outputs[0]
     assert failed.truncated and not failed.terminated and failed.reward == 0.0
     assert failed.info[INFO_ENV_ERROR].startswith(reason) and "environment restarted" in failed.info[INFO_ENV_ERROR]
