@@ -12,8 +12,28 @@ from gigpo_trl.models import build_tiny_model
 
 
 @pytest.fixture(scope="session")
-def tiny_model_path(tmp_path_factory) -> str:
-    return str(build_tiny_model(tmp_path_factory.mktemp("tiny-model")))
+def tiny_model_path(make_tiny_model) -> str:
+    return make_tiny_model("tiny-model")
+
+
+@pytest.fixture(scope="session")
+def make_tiny_model(tmp_path_factory):
+    """`make_tiny_model(name, hidden_size=64, tool_template=False)` builds a tiny model's folder and returns its path.
+    `tool_template` gives it TRL's Qwen2.5 chat template, which renders and parses tool calls (the tiny model's own
+    ChatML template does not render them; its special tokens are Qwen's)."""
+
+    def make(name: str, *, hidden_size: int = 64, tool_template: bool = False) -> str:
+        directory = build_tiny_model(tmp_path_factory.mktemp(name), hidden_size=hidden_size)
+        if tool_template:
+            from transformers import AutoTokenizer
+            from trl.chat_template_utils import qwen2_5_chat_template
+
+            tokenizer = AutoTokenizer.from_pretrained(directory)
+            tokenizer.chat_template = qwen2_5_chat_template
+            tokenizer.save_pretrained(directory)
+        return str(directory)
+
+    return make
 
 
 os.environ["GIGPO_TRL_CACHE"] = tempfile.mkdtemp(prefix="gigpo-trl-test-cache-")
@@ -22,14 +42,6 @@ os.environ["ALFWORLD_DATA"] = tempfile.mkdtemp(prefix="gigpo-trl-test-alfworld-"
 
 
 @pytest.fixture(scope="session")
-def tool_model_path(tmp_path_factory) -> str:
-    """The tiny model with TRL's Qwen2.5 chat template, which renders and parses tool calls (its own ChatML template
-    does not render them; its special tokens are Qwen's)."""
-    from transformers import AutoTokenizer
-    from trl.chat_template_utils import qwen2_5_chat_template
-
-    directory = build_tiny_model(tmp_path_factory.mktemp("tiny-tool-model"))
-    tokenizer = AutoTokenizer.from_pretrained(directory)
-    tokenizer.chat_template = qwen2_5_chat_template
-    tokenizer.save_pretrained(directory)
-    return str(directory)
+def tool_model_path(make_tiny_model) -> str:
+    """The tiny model with TRL's Qwen2.5 chat template."""
+    return make_tiny_model("tiny-tool-model", tool_template=True)
