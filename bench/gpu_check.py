@@ -216,10 +216,7 @@ def train_once(model: str, output_dir: str, *, lora: bool = False, max_steps: in
                 "gigpo/episode_advantage_std", "generation/tokens_per_s", "timing/rollout_s", "timing/update_s"):
         figures[key] = logs[-1].get(key) if logs else None
     if use_vllm:
-        for key in ("sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max",
-                    "sampling/importance_sampling_ratio/min", "sampling/importance_sampling_ratio/mean",
-                    "sampling/importance_sampling_ratio/max"):
-            figures[key] = [entry.get(key) for entry in logs]
+        figures.update(sampling_figures(logs))
     if lora:
         figures["adapter_changed_share"] = _mean([changed[name] for name in adapter])
         figures["base_changed_share"] = _mean([changed[name] for name in base])
@@ -251,17 +248,26 @@ def train_once(model: str, output_dir: str, *, lora: bool = False, max_steps: in
     return figures
 
 
-def vllm_problems(figures: dict) -> list[str]:
+def sampling_figures(logs: Sequence[dict]) -> dict[str, list]:
+    """vLLM's importance-sampling metrics of each logged training iteration (None where one was not logged)."""
+    keys = ("sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max",
+            "sampling/importance_sampling_ratio/min", "sampling/importance_sampling_ratio/mean",
+            "sampling/importance_sampling_ratio/max")
+    return {key: [entry.get(key) for entry in logs] for key in keys}
+
+
+def vllm_problems(figures: dict, tolerance: float = VLLM_LOGP_TOLERANCE) -> list[str]:
     """What a vLLM run must show: importance-sampling metrics logged and finite at every iteration, and vLLM's
-    log-probs of its samples within VLLM_LOGP_TOLERANCE of the trainer's (vLLM generated with the current weights)."""
+    log-probs of its samples within `tolerance` (mean absolute difference per token) of the trainer's at every
+    iteration (vLLM generated with the current weights)."""
     problems = []
     for key in ("sampling/sampling_logp_difference/mean", "sampling/importance_sampling_ratio/mean"):
         values = figures.get(key) or []
         if not values or not all(v is not None and math.isfinite(v) for v in values):
             problems.append(f"{key} not logged and finite at every iteration: {values}")
     differences = [v for v in figures.get("sampling/sampling_logp_difference/mean") or [] if v is not None]
-    if any(v > VLLM_LOGP_TOLERANCE for v in differences):
-        problems.append(f"vLLM's log-probs differ from the trainer's by {max(differences):.3g} (> {VLLM_LOGP_TOLERANCE}): "
+    if any(v > tolerance for v in differences):
+        problems.append(f"vLLM's log-probs differ from the trainer's by {max(differences):.3g} (> {tolerance}): "
                         "it generated with weights other than the trainer's")
     return problems
 
