@@ -147,7 +147,7 @@ def sampling_metrics(parts: torch.Tensor) -> dict[str, Any]:
 
 
 def loss_batch(trainer: GRPOTrainer, completions: Sequence[Completion], weights: Sequence[float],
-               advantages: Sequence[float], mode: str) -> dict[str, Any]:
+               advantages: Sequence[float], mode: str, *, sampled: bool = True) -> dict[str, Any]:
     """The dict `GRPOTrainer._compute_loss` consumes: the rows padded (`padded_batch`), the global token count,
     and the old and reference log-probs and vLLM's importance-sampling ratio where GRPOTrainer would compute them,
     with the trainer's models and TRL's forward pass (`_get_per_token_logps_and_entropies`); the ratio's
@@ -157,6 +157,11 @@ def loss_batch(trainer: GRPOTrainer, completions: Sequence[Completion], weights:
         trainer: the `GRPOTrainer` (a `GiGPOTrainer`) whose models score the rows.
         completions, weights, advantages: one per row (weights: 1 for samples, 0 for padding rows).
         mode: "train" or "eval".
+        sampled: False when the rows were decoded greedily (a held-out evaluation): then no importance-sampling
+            correction applies (a ratio of 1) and no `sampling/*` metric is logged. Greedy tokens were not drawn
+            from the trainer's tempered distribution, and vLLM's log-probs of them do not describe it (measured with
+            vLLM's CPU build: 0.23 apart per token, against 0.001 for sampled tokens): as a ratio they masked
+            every row and zeroed the evaluation loss.
     """
     device = trainer.accelerator.device
     ends = {*trainer.eos_token_ids, trainer._tokenizer.pad_token_id} if trainer.mask_truncated_completions else None
@@ -179,7 +184,8 @@ def loss_batch(trainer: GRPOTrainer, completions: Sequence[Completion], weights:
     with torch.no_grad(), disable_gradient_checkpointing(trainer.model, trainer.args.gradient_checkpointing_kwargs):
         # Same rule as GRPOTrainer: old log-probs only when updates run off-policy or vLLM sampled.
         generate_every = trainer.args.steps_per_generation * trainer.num_iterations
-        is_correction = trainer.use_vllm and trainer.vllm_importance_sampling_correction
+        loss_takes_ratio = trainer.use_vllm and trainer.vllm_importance_sampling_correction
+        is_correction = loss_takes_ratio and sampled
         if trainer.args.gradient_accumulation_steps % generate_every != 0 or is_correction:
             batch["old_per_token_logps"] = log_probs(trainer.model)
         if is_correction:
@@ -194,6 +200,8 @@ def loss_batch(trainer: GRPOTrainer, completions: Sequence[Completion], weights:
             statistics = sampling_statistics(batch["old_per_token_logps"], sampling_logps, ratio, loss_mask)
             for name, value in sampling_metrics(trainer.accelerator.gather(statistics).view(-1, 7)).items():
                 trainer._metrics[mode][name].append(value)
+        elif loss_takes_ratio:  # greedy rows: TRL's loss multiplies by a ratio all the same; 1 corrects nothing
+            batch["importance_sampling_ratio"] = torch.ones(len(completions), 1, device=device)
         if trainer.beta != 0.0:
             if trainer.ref_model is not None:
                 batch["ref_per_token_logps"] = log_probs(trainer.ref_model)

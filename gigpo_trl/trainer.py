@@ -177,7 +177,8 @@ class GiGPOTrainer(GRPOTrainer):
         else:  # a fresh draw per training step, a fixed panel for evaluation
             salt = f"{self.state.global_step}-{self.accelerator.process_index}" if mode == "train" else "eval"
             tasks = row_tasks(inputs, group_size, salt=f"{self.args.seed}-{salt}")
-        with greedy_decoding(self, mode == "eval" and self.args.eval_greedy), vllm_awake(self):
+        greedy = mode == "eval" and self.args.eval_greedy
+        with greedy_decoding(self, greedy), vllm_awake(self):
             rollout = collect_rollout(
                 self._pool(mode, len(tasks), group_size),
                 tasks,
@@ -224,7 +225,7 @@ class GiGPOTrainer(GRPOTrainer):
         )
         completions = [steps.completion[r] for r in rows] if len(steps) else [self._dummy_completion()] * len(rows)
         advantages = [float(gigpo.advantages[r]) * w for r, w in zip(rows, weights)] if len(steps) else [0.0] * len(rows)
-        batch = loss_batch(self, completions, weights, advantages, mode)
+        batch = loss_batch(self, completions, weights, advantages, mode, sampled=not greedy)
 
         # 4. Metrics, records and completion logs.
         times = RolloutTimes(rollout_seconds, rollout.generation_seconds, rollout.env_seconds, advantage_seconds)

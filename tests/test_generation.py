@@ -1,5 +1,6 @@
 """The generation backends seen from the rollout: vLLM's log-probs and importance-sampling correction, and its
-sleep mode, through stand-ins that follow TRL 1.16's protocols (a vLLM engine cannot run on a CPU)."""
+sleep mode, through stand-ins that follow TRL 1.16's protocols, so that they run without vLLM (tests/test_vllm.py
+runs the real engine, on CPU with vLLM's CPU build; vLLM's CPU build has no sleep mode)."""
 
 from __future__ import annotations
 
@@ -90,6 +91,20 @@ def test_vllm_sampling_diagnostics_leave_out_padding_rows_and_unscored_tokens(tm
     ratios = batch["importance_sampling_ratio"][:2][batch["completion_mask"][:2].bool()]
     assert logged["sampling/importance_sampling_ratio/mean"] == [pytest.approx(ratios.mean().item(), rel=1e-6)]
     assert logged["sampling/importance_sampling_ratio/max"] == [pytest.approx(ratios.max().item(), rel=1e-6)]
+    trainer.close_environments()
+
+
+def test_greedy_rows_are_not_corrected_and_log_no_sampling_metrics(tmp_path, tiny_model_path):
+    trainer = vllm_like_trainer(tmp_path, tiny_model_path)
+    completions, advantages = step_samples(trainer.model.config.vocab_size, 4, seed=3)
+    for completion in completions:  # log-probs far from the trainer's: a correction would clamp or mask them
+        completion.logprobs = [-30.0] * len(completion.completion_ids)
+    trainer._metrics["eval"].clear()
+
+    batch = loss_batch(trainer, completions, [1.0] * 4, advantages, "eval", sampled=False)
+
+    assert torch.equal(batch["importance_sampling_ratio"], torch.ones(4, 1))  # TRL's loss multiplies by it: 1
+    assert not [name for name in trainer._metrics["eval"] if name.startswith("sampling/")]
     trainer.close_environments()
 
 

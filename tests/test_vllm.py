@@ -58,11 +58,15 @@ def vllm_engine_setup():
 
 @pytest.fixture(autouse=True)
 def one_engine_at_a_time():
-    """Free each test's engine before the next one starts: a vLLM engine in this process that is garbage-collected
-    later tears down the parallel groups of the engine built after it ('pipeline model parallel group is not
-    initialized' at its first generation)."""
+    """Shut down the engines a test built before the next test builds one. vLLM shuts a colocated engine down when
+    the engine is collected, and that shutdown tears down the process's parallel groups, which the next engine shares
+    ('pipeline model parallel group is not initialized' at its first generation); a failed test keeps its trainer
+    alive in its traceback, so collection alone would come too late and fail the tests after it."""
     yield
-    gc.collect()
+    from vllm.v1.engine.core_client import InprocClient
+
+    for client in [obj for obj in gc.get_objects() if type(obj) is InprocClient]:  # not isinstance: dead weak proxies raise
+        client._finalizer()  # the shutdown vLLM registers for collection, run now (and only once)
 
 
 @pytest.fixture(scope="module")
@@ -215,6 +219,9 @@ def test_greedy_evaluation_reaches_vllm_as_temperature_zero_and_training_samples
     trainer.close_environments()
 
     assert evaluation == [0.0] * 3 and "eval_env/success_rate" in metrics  # 3 greedy turns
+    # greedy tokens get no importance-sampling correction: no sampling/* metrics (before the fix, vLLM's log-probs of
+    # greedy tokens were 0.23 per token off the trainer's and the ratio masked every row)
+    assert math.isfinite(metrics["eval_loss"]) and not [key for key in metrics if "sampling/" in key]
     assert temperatures == [0.9] * 3  # training samples at the configured temperature again
     assert trainer.vllm_generation.temperature == 0.9
     # the two copies of each held-out task answered alike at every turn
@@ -222,6 +229,24 @@ def test_greedy_evaluation_reaches_vllm_as_temperature_zero_and_training_samples
                for k in range(len(greedy))}
     assert len(answers) == 12
     assert all(answers[group, step, 0] == answers[group, step, 1] for group, step, _ in answers)
+
+
+def test_greedy_rows_get_a_ratio_of_one_and_sampled_held_out_rows_are_corrected(tmp_path, vllm_model_path):
+    config = vllm_config(tmp_path, temperature=0.9, num_generations_eval=2, per_device_eval_batch_size=4)
+    trainer = GiGPOTrainer(vllm_model_path, args=config, train_dataset=task_dataset(range(16)),
+                           eval_dataset=task_dataset(range(2)))
+    trainer.model.eval()
+    rows = [trainer.eval_dataset[k] for k in (0, 0, 1, 1)]
+    ratios = {}
+    for greedy in (True, False):
+        trainer.args.eval_greedy = greedy
+        trainer._metrics["eval"].clear()
+        ratios[greedy] = trainer._generate_and_score_completions(rows)["importance_sampling_ratio"]
+        logged = trainer._metrics["eval"]
+        assert ("sampling/importance_sampling_ratio/mean" in logged) is not greedy
+    trainer.close_environments()
+    assert torch.equal(ratios[True], torch.ones_like(ratios[True]))
+    assert ((ratios[False] > 0.9) & (ratios[False] < 1.1)).all()  # sampled with the same weights: close to 1
 
 
 def sleep_mode_available() -> bool:
