@@ -3,7 +3,9 @@
 `shortest_path_length` searches breadth-first over an environment's admissible actions (`info["admissible_actions"]`),
 telling states apart by their anchors and replaying every path from `reset(seed=...)`: it needs an environment whose
 replays are deterministic (the same seed and actions give the same states), as the contract already asks of a task's
-copies. A game's `walkthrough` is no substitute: TextWorldExpress's coin collector walks at random to the coin.
+copies. A game's `walkthrough` is no substitute: TextWorldExpress's coin collector walks at random to the coin. With a
+`prefix` of actions it searches from the state those actions reach instead of the start: the distance to a win of any
+state an episode visited (`bench/credit_probe.py` labels a step by the distances before and after it).
 
 `seeds_by_optimal_steps` picks the tasks of a fold whose fewest winning steps lie in a range (e.g. a benchmark
 setting where every task needs at least 4 steps). A search replays O(states x actions x depth) steps, about a second a
@@ -17,7 +19,7 @@ import hashlib
 import itertools
 import json
 import os
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,18 +39,21 @@ from gigpo_trl.paths import cache_root
 SEARCH_SEEDS_PER_TASK = 100
 
 
-def shortest_path_length(env: TextEnv, seed: int, limit: int) -> int | None:
+def shortest_path_length(env: TextEnv, seed: int, limit: int, *, prefix: Sequence[str] = ()) -> int | None:
     """The fewest steps that win the task of `seed` (a step whose `info["won"]` is true), or None when no path of at
-    most `limit` steps wins. Raises a ValueError when the environment lists no admissible actions."""
+    most `limit` steps wins. With a `prefix`, the search starts from the state that playing those actions from the
+    start reaches (any text the environment takes, admissible or not): 0 when the prefix's last step won, None when
+    it ended the episode otherwise. Raises a ValueError when the environment lists no admissible actions."""
     if not isinstance(limit, int) or limit < 1:
         raise ValueError(f"limit must be an int >= 1, got {limit!r}")
+    prefix = tuple(prefix)
 
     def replay(path: tuple[str, ...]) -> tuple[Hashable, list[str], bool, bool]:
-        """After playing `path` from the start: the state's anchor, its admissible actions, whether the last step
-        won, whether the episode goes on."""
+        """After playing the prefix and `path` from the start: the state's anchor, its admissible actions, whether
+        the last step won, whether the episode goes on."""
         observation, info = env.reset(seed=seed)
         terminated = truncated = False
-        for action in path:
+        for action in (*prefix, *path):
             observation, _, terminated, truncated, info = env.step(action)
         if INFO_ADMISSIBLE_ACTIONS not in info:
             raise ValueError(f"{type(env).__name__} gives no info['{INFO_ADMISSIBLE_ACTIONS}']: a shortest path "
@@ -56,7 +61,11 @@ def shortest_path_length(env: TextEnv, seed: int, limit: int) -> int | None:
         return anchor_of(observation, info), info[INFO_ADMISSIBLE_ACTIONS], bool(info.get(INFO_WON)), not (
             terminated or truncated)
 
-    start, _, _, _ = replay(())
+    start, _, won, going_on = replay(())
+    if won:
+        return 0
+    if not going_on:
+        return None
     seen, frontier = {start}, [()]
     for depth in range(1, limit + 1):
         next_frontier = []

@@ -94,3 +94,25 @@ def test_task_arguments_keep_only_tasks_in_the_optimal_steps_range():
         TaskArguments(min_optimal_steps=4)
     with pytest.raises(ValueError, match="exceeds"):
         TaskArguments(min_optimal_steps=4, max_optimal_steps=3)
+
+
+def test_a_prefix_searches_from_the_state_it_reaches():
+    env = CountedCorridor()  # seed 3: a corridor of 6 cells, won in cell 5
+    assert shortest_path_length(env, 3, limit=10, prefix=("right", "right")) == 3
+    assert shortest_path_length(env, 3, limit=10, prefix=("right", "left", "wait")) == 5
+    assert shortest_path_length(env, 3, limit=10, prefix=("right", "jump about")) == 4  # text no action names
+    assert shortest_path_length(env, 3, limit=2, prefix=("right",) * 2) is None  # 3 steps left
+    assert shortest_path_length(env, 3, limit=10, prefix=("right",) * 5) == 0  # the prefix's last step won
+
+
+def test_a_prefix_that_ended_the_episode_without_a_win_leaves_no_path():
+    class Trapdoor(Corridor):
+        """"down" ends the episode, lost."""
+
+        def step(self, action):
+            if action == "down":
+                return self._observation(), 0.0, True, False, self._info()
+            return super().step(action)
+
+    assert shortest_path_length(Trapdoor(), 0, limit=5, prefix=("down",)) is None
+    assert shortest_path_length(Trapdoor(), 0, limit=5, prefix=("right",)) == 1
