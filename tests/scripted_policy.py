@@ -33,7 +33,8 @@ def numbered_choice_answer(prompt_text: str, position: int) -> str:
 
 
 class ScriptedTrainer(GiGPOTrainer):
-    """Corridor tasks follow `corridor_answer`; any other environment gets `numbered_choice_answer`."""
+    """Corridor tasks (their observation: "You are in cell k ...") follow `corridor_answer`; any other environment gets
+    `numbered_choice_answer` (the rooms task also speaks of a corridor)."""
 
     def _generate_turn(self, prompts, tools):
         generated = super()._generate_turn(prompts, tools)  # the real backend, in lock-step
@@ -41,7 +42,7 @@ class ScriptedTrainer(GiGPOTrainer):
         completions = []
         for position, (prompt, real) in enumerate(zip(prompts, generated)):
             text = prompt[-1]["content"]
-            answer = corridor_answer(text, position) if "corridor" in text else numbered_choice_answer(text, position)
+            answer = corridor_answer(text, position) if "You are in cell" in text else numbered_choice_answer(text, position)
             ids = self._tokenizer(answer, add_special_tokens=False)["input_ids"] + [eos]
             completions.append(Completion(real.prompt_ids, ids, answer))
         return completions
