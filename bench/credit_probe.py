@@ -1,0 +1,477 @@
+"""Step credit on the base model's own rollouts (issue 32): does GiGPO's step advantage rank a move that brings the
+agent closer to a win above one that does not, better than the episode advantage of step-wise GRPO?
+
+    python bench/credit_probe.py                                 # the design of docs/results.md, "Step credit probe"
+    python bench/credit_probe.py --seeds 0 --tasks 1             # a reduced run
+    python bench/credit_probe.py --configs C.yaml --model M      # other games (recipe configs) or another model
+
+No training: for each game (a recipe config: environment, tasks, prompt template, history, temperature, answer length,
+and the advantage settings gamma, norm, episode statistics, invalid-action penalty) and each seed, the model plays
+`--tasks` tasks x `--copies` copies through the trainer's own rollout (`collect_rollout` with
+`GiGPOTrainer._generate_turn`, sampled at the config's temperature). Seed s plays tasks s*T .. s*T+T-1 of the config's
+training tasks (its optimal-steps range applies) and samples with torch seed s, so the seeds are independent
+replications on disjoint tasks.
+
+Labels. Every step is labelled by the breadth-first distance to a win (`gigpo_trl.shortest_paths`, over the admissible
+actions) of the state before and after it: progress (the distance falls), neutral (unchanged: "look", "inventory",
+an idle action, text the game does not act on), regress (it rises). A state's distance is searched from the state
+its trajectory's actions reach, replayed in a fresh environment of the task's seed (the replay must reach the
+recorded anchors: a game that does not replay deterministically is refused), once per (task, anchor): exact for games
+whose anchor is their full state, as TextWorldExpress's and rooms' are. No win within `--search-depth` steps counts
+as infinitely far.
+
+Signals. The same rows are scored under every group size N of `--group-sizes`: the copies of a task split into groups
+of N (copies 0..N-1, N..2N-1, ...), so methods and group sizes are compared on the same steps, and
+`compute_gigpo_advantages` with the config's settings gives every row, per N:
+    GiGPO           A = A_E + A_S   (omega 1)
+    GRPO (omega=0)  A = A_E         (omega 0: step-wise GRPO)
+    A_S alone       the step term of GiGPO (rows of one task group taken in the same state, compared by their
+                    discounted return-to-go)
+
+Measured per signal, N and seed (then the mean and min-max over seeds):
+    sign agreement   over the directed steps (progress and regress): the share whose A has the label's sign
+                     (progress A > 0, regress A < 0; A = 0 agrees with neither), and per label.
+    neutral steps    have no sign of their own (under discounting a wasted step delays a win, but its advantage
+                     also carries the episode's outcome): the shares of A < 0, A = 0, A > 0 are reported apart.
+    mean A per label and the separation (mean A of progress - mean A of regress) / std of A over all rows, which
+                     compares signals of different scales.
+    pairwise ranking inside step groups: every pair of rows of one step group (one task group, one anchor, so one
+                     distance before the step) with different labels, ordered progress > neutral > regress: ranked
+                     right (the better label has the larger A), tied, or wrong; accuracy = right + tied / 2 (0.5:
+                     no information), overall and per kind of pair.
+    zero share       the share of all rows whose A is 0 (|A| <= 1e-9): groups whose copies all score the same give
+                     no signal, and neither do singleton step groups to A_S.
+Reading rule (stated before the run, docs/results.md): on a game, the step signal beats the episode signal when
+GiGPO's pairwise ranking accuracy at N = --decide-at is above GRPO's on every seed; it loses when below on every seed;
+otherwise undecided.
+
+Written to OUTPUT (JSON: the arguments, per game the tasks, per seed the context, labels and figures, and the mean and
+min-max over seeds) and printed as a table, with progress lines as it goes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import tempfile
+import time
+from collections.abc import Callable, Hashable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from gigpo_trl.advantages import StepGroupStats, anchor_step_groups, compute_gigpo_advantages
+from gigpo_trl.envs import INFO_WON, TextEnv, anchor_of, make_env
+from gigpo_trl.rollout import Rollout, StepColumns
+from gigpo_trl.shortest_paths import shortest_path_length
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_CONFIGS = [ROOT / "recipes" / "configs" / "learning_coin_gpu.yaml",
+                   ROOT / "bench" / "screen_configs" / "rooms5_idle2.yaml"]
+LABELS = ("progress", "neutral", "regress")
+# Pairs of labels inside a step group, the better one first.
+PAIR_KINDS = (("progress", "neutral"), ("progress", "regress"), ("neutral", "regress"))
+SIGNALS = ("GiGPO", "GRPO (omega=0)", "A_S alone")
+ZERO = 1e-9  # |A| at most this is 0; two advantages this close are tied
+
+
+# --------------------------------------------------------------------------------------------
+# Labels: the distance to a win before and after every step.
+# --------------------------------------------------------------------------------------------
+
+
+def step_label(before: float, after: float) -> str:
+    """"progress", "neutral" or "regress": the distance to a win after the step is below, equal to or above the one
+    before it (math.inf for no win within reach, so inf -> inf is neutral)."""
+    if math.isnan(before) or math.isnan(after):
+        raise ValueError(f"a distance is NaN (before {before}, after {after})")
+    return "progress" if after < before else "regress" if after > before else "neutral"
+
+
+def replay_states(env: TextEnv, seed: int, actions: Sequence[str]) -> list[tuple[Hashable, bool]]:
+    """The (anchor, won) of the start of the task of `seed` and of the state after each of `actions`."""
+    observation, info = env.reset(seed=seed)
+    states = [(anchor_of(observation, info), False)]
+    for action in actions:
+        observation, _, _, _, info = env.step(action)
+        states.append((anchor_of(observation, info), bool(info.get(INFO_WON))))
+    return states
+
+
+def step_distances(env: TextEnv, rollout: Rollout, search_depth: int,
+                   cache: dict[tuple[int, Hashable], float] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """For every step row of `rollout`: the fewest steps from a win of the state the action was taken in, and of the
+    state after it (0 when the step won, math.inf when no win lies within `search_depth` steps).
+
+    Each trajectory is replayed in `env` (reset with its task's seed) to find the states after its steps; the replay
+    must pass through the anchors the rollout recorded. A state's distance is searched once per (seed, anchor) and kept
+    in `cache` (a dict shared across calls on the same tasks)."""
+    cache = {} if cache is None else cache
+    steps = rollout.steps
+    before, after = np.full(len(steps), np.nan), np.full(len(steps), np.nan)
+    for episode in rollout.episodes:
+        rows = steps.rows_of(episode.trajectory)
+        if not rows:
+            continue
+        if episode.options:
+            raise ValueError(f"task options are not replayed: trajectory {episode.trajectory} has {episode.options}")
+        actions = [steps.action[row] for row in rows]
+        states = replay_states(env, episode.seed, actions)
+        for k, row in enumerate(rows):
+            if states[k][0] != steps.anchor[row]:
+                raise RuntimeError(
+                    f"replaying trajectory {episode.trajectory} (seed {episode.seed}) does not reach the state its step "
+                    f"{k} was taken in: the environment does not replay deterministically, so no distance can be found")
+        distances = []
+        for k, (anchor, won) in enumerate(states):
+            key = (episode.seed, anchor)
+            if key not in cache:
+                length = 0 if won else shortest_path_length(env, episode.seed, search_depth, prefix=actions[:k])
+                cache[key] = math.inf if length is None else float(length)
+            distances.append(cache[key])
+        before[rows], after[rows] = distances[:-1], distances[1:]
+    return before, after
+
+
+# --------------------------------------------------------------------------------------------
+# The signals: the project's advantages under a group size N.
+# --------------------------------------------------------------------------------------------
+
+
+def subgroup_ids(steps: StepColumns, copies: int, group_size: int) -> list[tuple[int, int]]:
+    """The task group of every row when the `copies` copies of each task are split into groups of `group_size`
+    (copies 0..N-1, N..2N-1, ...). The pool plays copy c of task g as environment g * copies + c."""
+    if group_size < 1 or copies % group_size:
+        raise ValueError(f"a group size must divide the {copies} copies, got {group_size}")
+    return [(group, trajectory % copies // group_size) for group, trajectory in zip(steps.group, steps.trajectory)]
+
+
+def signals(steps: StepColumns, group_ids: Sequence[Hashable],
+            settings: Any) -> tuple[dict[str, np.ndarray], StepGroupStats]:
+    """Every row's advantage per signal (SIGNALS) under `group_ids`, from `compute_gigpo_advantages` with omega 1 and
+    0 and the other settings of `settings` (a GiGPOConfig); also the omega-1 result's step-group statistics."""
+    common = dict(
+        rewards=steps.reward, group_ids=group_ids, trajectory_ids=steps.trajectory, step_indices=steps.step,
+        anchor_keys=steps.anchor, invalid=[not valid for valid in steps.valid], gamma=settings.gamma,
+        norm=settings.advantage_norm, episode_stats=settings.episode_stats,
+        invalid_penalty=settings.invalid_action_penalty, similarity_threshold=settings.similarity_threshold,
+    )
+    gigpo = compute_gigpo_advantages(**common, step_weight=1.0)
+    grpo = compute_gigpo_advantages(**common, step_weight=0.0)
+    return {"GiGPO": gigpo.advantages, "GRPO (omega=0)": grpo.advantages, "A_S alone": gigpo.step_advantages}, gigpo.stats
+
+
+# --------------------------------------------------------------------------------------------
+# The measures: pure functions of advantages, labels and step groups.
+# --------------------------------------------------------------------------------------------
+
+
+def _share(mask: np.ndarray) -> float:
+    return float(mask.mean()) if mask.size else math.nan
+
+
+def sign_agreement(advantages: np.ndarray, labels: Sequence[str]) -> dict[str, float]:
+    """Shares of rows whose advantage has the sign of their label: over the directed steps (progress A > 0 and
+    regress A < 0 together), per label, and for neutral steps the shares of A < 0, A = 0 and A > 0."""
+    advantages, labels = np.asarray(advantages, dtype=float), np.asarray(labels)
+    positive, negative = advantages > ZERO, advantages < -ZERO
+    progress, regress, neutral = labels == "progress", labels == "regress", labels == "neutral"
+    directed = progress | regress
+    agrees = (progress & positive) | (regress & negative)
+    return {
+        "directed": _share(agrees[directed]), "progress_positive": _share(positive[progress]),
+        "regress_negative": _share(negative[regress]), "neutral_negative": _share(negative[neutral]),
+        "neutral_zero": _share(~positive[neutral] & ~negative[neutral]), "neutral_positive": _share(positive[neutral]),
+    }
+
+
+def label_means(advantages: np.ndarray, labels: Sequence[str]) -> dict[str, float]:
+    """The mean advantage of each label, and the separation: (mean of progress - mean of regress) / std of all the
+    advantages (NaN where a label is absent or every advantage is 0)."""
+    advantages, labels = np.asarray(advantages, dtype=float), np.asarray(labels)
+    means = {label: float(advantages[labels == label].mean()) if (labels == label).any() else math.nan
+             for label in LABELS}
+    spread = float(advantages.std()) if advantages.size else 0.0
+    means["separation"] = (means["progress"] - means["regress"]) / spread if spread > ZERO else math.nan
+    return means
+
+
+def pairwise_ranking(advantages: np.ndarray, labels: Sequence[str], step_groups: Sequence[int]) -> dict[str, dict]:
+    """Inside every step group (`step_groups`: an int code per row, e.g. from `anchor_step_groups`), every pair of rows
+    with different labels, the better label first (progress > neutral > regress): the number of pairs, the shares
+    ranked right (the better row's advantage is larger), tied and wrong, and the accuracy right + tied / 2; per kind of
+    pair ("progress>neutral", ...) and over all ("all")."""
+    advantages, labels, codes = np.asarray(advantages, dtype=float), np.asarray(labels), np.asarray(step_groups)
+    counts = {f"{better}>{worse}": np.zeros(3, dtype=np.int64) for better, worse in PAIR_KINDS}  # right, tied, wrong
+    order = np.argsort(codes, kind="stable")
+    boundaries = np.flatnonzero(np.diff(codes[order])) + 1
+    for rows in np.split(order, boundaries) if order.size else []:
+        for better, worse in PAIR_KINDS:
+            high, low = advantages[rows[labels[rows] == better]], advantages[rows[labels[rows] == worse]]
+            if not high.size or not low.size:
+                continue
+            difference = high[:, None] - low[None, :]
+            counts[f"{better}>{worse}"] += [(difference > ZERO).sum(), (np.abs(difference) <= ZERO).sum(),
+                                            (difference < -ZERO).sum()]
+    counts["all"] = sum(counts.values())
+    result = {}
+    for kind, (right, tied, wrong) in counts.items():
+        pairs = int(right + tied + wrong)
+        result[kind] = {"pairs": pairs, "right": right / pairs if pairs else math.nan,
+                        "tied": tied / pairs if pairs else math.nan, "wrong": wrong / pairs if pairs else math.nan,
+                        "accuracy": (right + tied / 2) / pairs if pairs else math.nan}
+    return result
+
+
+def zero_share(advantages: np.ndarray) -> float:
+    """The share of rows whose advantage is 0 (|A| <= ZERO)."""
+    return _share(np.abs(np.asarray(advantages, dtype=float)) <= ZERO)
+
+
+def credit_measures(advantages: np.ndarray, labels: Sequence[str], step_groups: Sequence[int]) -> dict[str, Any]:
+    """Every measure of one signal on one set of rows (see the module docstring)."""
+    return {"sign_agreement": sign_agreement(advantages, labels), "mean": label_means(advantages, labels),
+            "pairs": pairwise_ranking(advantages, labels, step_groups), "zero_share": zero_share(advantages)}
+
+
+def over_seeds(per_seed: Sequence[Any]) -> Any:
+    """The mean, min and max over seeds of every number in same-shaped nested dicts (NaNs left out; NaN when every
+    seed's is NaN)."""
+    first = per_seed[0]
+    if isinstance(first, dict):
+        return {key: over_seeds([value[key] for value in per_seed]) for key in first}
+    values = np.array([value for value in per_seed if not math.isnan(value)], dtype=float)
+    if not values.size:
+        return {"mean": math.nan, "min": math.nan, "max": math.nan}
+    return {"mean": float(values.mean()), "min": float(values.min()), "max": float(values.max())}
+
+
+def verdict(gigpo: Sequence[float], grpo: Sequence[float]) -> str:
+    """The pre-stated reading rule on per-seed pairwise ranking accuracies: the step signal beats the episode signal
+    when GiGPO's is above GRPO's on every seed, loses when below on every seed, otherwise undecided."""
+    pairs = [(a, b) for a, b in zip(gigpo, grpo) if not (math.isnan(a) or math.isnan(b))]
+    if not pairs or len(pairs) < len(gigpo):
+        return "undecided: a seed has no pair of differently labelled steps in one step group"
+    if all(a > b for a, b in pairs):
+        return f"the step signal beats the episode signal (GiGPO's ranking above GRPO's on {len(pairs)} of {len(pairs)} seeds)"
+    if all(a < b for a, b in pairs):
+        return f"the step signal loses to the episode signal (GiGPO's ranking below GRPO's on {len(pairs)} of {len(pairs)} seeds)"
+    above = sum(a > b for a, b in pairs)
+    return f"undecided (GiGPO's ranking above GRPO's on {above} of {len(pairs)} seeds)"
+
+
+# --------------------------------------------------------------------------------------------
+# One game: rollouts, labels and measures per seed.
+# --------------------------------------------------------------------------------------------
+
+
+def probe_rollout(rollout: Rollout, before: np.ndarray, after: np.ndarray, copies: int, group_sizes: Sequence[int],
+                  settings: Any) -> dict[str, Any]:
+    """The context and the measures of one rollout with its distances, per group size."""
+    steps = rollout.steps
+    labels = [step_label(b, a) for b, a in zip(before, after)]
+    result: dict[str, Any] = {
+        "trajectories": len(rollout.episodes), "rows": len(steps),
+        "success_rate": float(np.mean([episode.won for episode in rollout.episodes])),
+        "invalid_share": _share(~np.asarray(steps.valid, dtype=bool)),
+        "labels": {label: _share(np.asarray(labels) == label) for label in LABELS},
+        "by_group_size": {},
+    }
+    for group_size in group_sizes:
+        group_ids = subgroup_ids(steps, copies, group_size)
+        advantages, stats = signals(steps, group_ids, settings)
+        step_groups = anchor_step_groups(group_ids, steps.anchor, steps.step, settings.similarity_threshold)
+        result["by_group_size"][str(group_size)] = {
+            "step_group_size_mean": stats.step_group_size_mean, "singleton_share": stats.singleton_share,
+            **{signal: credit_measures(values, labels, step_groups) for signal, values in advantages.items()},
+        }
+    return result
+
+
+def trainer_for(config: Path, model: str | None, tasks: int, copies: int, seeds: Sequence[int], output_dir: str,
+                trainer_class: type | None = None) -> tuple[Any, list[int]]:
+    """A GiGPOTrainer (or `trainer_class`) of the recipe config `config` (model, environment, prompts, generation and
+    advantage settings) whose training tasks are the first max(seeds) + 1 blocks of `tasks` tasks and whose rollout
+    plays `tasks` x `copies`; no evaluation, CPU precision. Also the training tasks' seeds."""
+    from trl import ModelConfig, TrlParser
+
+    from gigpo_trl import GiGPOConfig, GiGPOTrainer, TaskArguments
+
+    overrides = ["--output_dir", output_dir, "--num_train_tasks", str((max(seeds) + 1) * tasks), "--num_eval_tasks", "0",
+                 "--eval_strategy", "no", "--num_generations", str(copies), "--per_device_train_batch_size",
+                 str(tasks * copies), "--steps_per_generation", "1", "--gradient_accumulation_steps", "1",
+                 "--report_to", "none", "--log_trajectories", "0", "--bf16", "false", "--use_vllm", "false"]
+    if model:
+        overrides += ["--model_name_or_path", model]
+    task_args, args, model_args = TrlParser((TaskArguments, GiGPOConfig, ModelConfig)).parse_args_and_config(
+        args=["--config", str(config), *overrides])
+    if args.similarity_threshold is not None:
+        raise ValueError(f"{config}: the probe's step groups are exact anchors; similarity_threshold must be unset")
+    train, _ = task_args.datasets(args.env_name, args.env_kwargs)
+    trainer = (trainer_class or GiGPOTrainer)(model_args.model_name_or_path, args=args, train_dataset=train)
+    return trainer, list(train["seed"])
+
+
+def probe_seed(trainer: Any, env: TextEnv, tasks: Sequence[int], seed: int, copies: int, group_sizes: Sequence[int],
+               search_depth: int, cache: dict[tuple[int, Hashable], float]) -> dict[str, Any]:
+    """One seed of one game: `tasks` x `copies` played by the trainer's rollout, sampled with torch seed `seed`, the
+    steps labelled through `env` (`cache` as in `step_distances`), the measures (`probe_rollout`) and the costs."""
+    from transformers import set_seed
+
+    from gigpo_trl.rollout import collect_rollout
+    from gigpo_trl.tasks import Task
+
+    set_seed(seed)
+    clock, cpu = time.perf_counter(), time.process_time()
+    rollout = collect_rollout(trainer._pool("train", len(tasks), copies), [Task(seed=task) for task in tasks],
+                              trainer._generate_turn, max_env_steps=trainer.args.max_env_steps,
+                              dialogue=trainer.dialogue, show_progress=False)
+    rollout_seconds, rollout_cpu_seconds = time.perf_counter() - clock, time.process_time() - cpu
+    clock, searched = time.perf_counter(), len(cache)
+    before, after = step_distances(env, rollout, search_depth, cache)
+    result = probe_rollout(rollout, before, after, copies, group_sizes, trainer.args)
+    return result | {
+        "tasks": list(tasks), "distance_at_start_mean": float(np.mean([before[rollout.steps.rows_of(e.trajectory)[0]]
+                                                                       for e in rollout.episodes if e.length])),
+        "generated_tokens": rollout.generated_tokens, "rollout_s": rollout_seconds, "rollout_cpu_s": rollout_cpu_seconds,
+        "states_searched": len(cache) - searched, "label_s": time.perf_counter() - clock,
+    }
+
+
+def probe_game(config: Path, *, model: str | None, seeds: Sequence[int], tasks: int, copies: int,
+               group_sizes: Sequence[int], search_depth: int, trainer_class: type | None = None,
+               log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Every seed of one game (`probe_seed`; seed s plays the block s of `tasks` training tasks) and the summary over
+    seeds. `trainer_class`, a GiGPOTrainer subclass, replaces the trainer (e.g. a test's scripted policy)."""
+    started = time.perf_counter()
+    per_seed: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as output_dir:
+        trainer, task_seeds = trainer_for(config, model, tasks, copies, seeds, output_dir, trainer_class)
+        settings = trainer.args
+        env = make_env(settings.env_name, **settings.env_kwargs)
+        log(f"{config.stem}: {settings.env_name} {settings.env_kwargs}, {tasks} tasks x {copies} copies per seed, "
+            f"{settings.max_env_steps} steps, temperature {settings.temperature}; ready in "
+            f"{time.perf_counter() - started:.0f} s")
+        cache: dict[tuple[int, Hashable], float] = {}
+        try:
+            for seed in seeds:
+                block = task_seeds[seed * tasks : (seed + 1) * tasks]
+                log(f"  seed {seed}: playing tasks {block} ...")
+                result = per_seed[str(seed)] = probe_seed(trainer, env, block, seed, copies, group_sizes,
+                                                          search_depth, cache)
+                log(f"  seed {seed}: {result['rows']} steps in {result['rollout_s']:.0f} s "
+                    f"({result['rollout_s'] / result['rows']:.2f} s a step, {result['rollout_cpu_s'] / result['rows']:.2f}"
+                    f" s of CPU), success {result['success_rate']:.0%}, labels "
+                    + ", ".join(f"{label} {share:.0%}" for label, share in result["labels"].items())
+                    + f"; {result['states_searched']} states searched in {result['label_s']:.0f} s")
+        finally:
+            trainer.close_environments()
+            env.close()
+    summary = over_seeds([{key: value for key, value in result.items() if key != "tasks"}
+                          for result in per_seed.values()])
+    return {"config": str(config), "env_name": settings.env_name, "env_kwargs": settings.env_kwargs,
+            "max_env_steps": settings.max_env_steps, "temperature": settings.temperature,
+            "advantage_settings": {"gamma": settings.gamma, "norm": settings.advantage_norm,
+                                   "episode_stats": settings.episode_stats,
+                                   "invalid_penalty": settings.invalid_action_penalty},
+            "seeds": per_seed, "over_seeds": summary, "seconds": time.perf_counter() - started}
+
+
+# --------------------------------------------------------------------------------------------
+# Report.
+# --------------------------------------------------------------------------------------------
+
+
+def _cell(spread: dict[str, float], digits: int = 2) -> str:
+    """"mean (min-max)" of an over_seeds entry."""
+    if math.isnan(spread["mean"]):
+        return "-"
+    if spread["min"] == spread["max"]:
+        return f"{spread['mean']:.{digits}f}"
+    return f"{spread['mean']:.{digits}f} ({spread['min']:.{digits}f}-{spread['max']:.{digits}f})"
+
+
+def decisions(game: dict[str, Any], decide_at: int) -> str:
+    """The reading rule's verdict on one game at group size `decide_at`."""
+    accuracy = {signal: [seed["by_group_size"][str(decide_at)][signal]["pairs"]["all"]["accuracy"]
+                         for seed in game["seeds"].values()] for signal in ("GiGPO", "GRPO (omega=0)")}
+    return verdict(accuracy["GiGPO"], accuracy["GRPO (omega=0)"])
+
+
+def table(game: dict[str, Any], decide_at: int | None) -> str:
+    """The printed report of one game: context, then one line per group size and signal."""
+    summary, seeds = game["over_seeds"], len(game["seeds"])
+    lines = [f"{Path(game['config']).stem} ({game['env_name']} {game['env_kwargs']}), {seeds} seeds: success "
+             f"{_cell(summary['success_rate'])}, steps per seed {_cell(summary['rows'], 0)}, invalid "
+             f"{_cell(summary['invalid_share'])}; labels " + ", ".join(
+                 f"{label} {_cell(summary['labels'][label])}" for label in LABELS),
+             "N  | signal         | sign agrees: directed / progress / regress | neutral <0 / =0 / >0 | mean A: "
+             "progress / neutral / regress | separation | pairs | ranking accuracy (right / tied / wrong) | zero A"]
+    for group_size, figures in summary["by_group_size"].items():
+        lines.append(f"{group_size:>2} | step groups: mean size {_cell(figures['step_group_size_mean'], 1)}, "
+                     f"singletons {_cell(figures['singleton_share'])}")
+        for signal in SIGNALS:
+            m = figures[signal]
+            agree, means, pairs = m["sign_agreement"], m["mean"], m["pairs"]["all"]
+            lines.append(
+                f"{group_size:>2} | {signal:14s} | {_cell(agree['directed'])} / {_cell(agree['progress_positive'])} / "
+                f"{_cell(agree['regress_negative'])} | {_cell(agree['neutral_negative'])} / {_cell(agree['neutral_zero'])}"
+                f" / {_cell(agree['neutral_positive'])} | {_cell(means['progress'])} / {_cell(means['neutral'])} / "
+                f"{_cell(means['regress'])} | {_cell(means['separation'])} | {_cell(pairs['pairs'], 0)} | "
+                f"{_cell(pairs['accuracy'])} ({_cell(pairs['right'])} / {_cell(pairs['tied'])} / {_cell(pairs['wrong'])})"
+                f" | {_cell(m['zero_share'])}")
+    if decide_at is not None:
+        lines.append(f"reading rule at N = {decide_at}: {decisions(game, decide_at)}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None, trainer_class: type | None = None) -> dict[str, Any]:
+    """The command line (see the module docstring); returns the report it writes. `trainer_class` as in
+    `probe_game`."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--configs", type=Path, nargs="+", default=DEFAULT_CONFIGS,
+                        help="one recipe config per game (default: setting D's coin collector and 5 rooms with 2 idle "
+                        "actions)")
+    parser.add_argument("--model", default=None, help="model id or folder (default: each config's model_name_or_path)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--tasks", type=int, default=2, help="tasks per seed and game")
+    parser.add_argument("--copies", type=int, default=16, help="copies of each task (the largest group size)")
+    parser.add_argument("--group-sizes", type=int, nargs="+", default=[4, 8, 16],
+                        help="group sizes N; each must divide --copies")
+    parser.add_argument("--decide-at", type=int, default=8, help="the group size the reading rule reads (the recipe's)")
+    parser.add_argument("--search-depth", type=int, default=20, help="steps searched for a win from each state")
+    parser.add_argument("--output", type=Path, default=ROOT / "outputs" / "credit_probe.json")
+    parser.add_argument("--tiny", action="store_true", help="a smoke run: 1 task x 4 copies, group sizes 2 and 4, "
+                        "seeds 0 and 1 (pass --model for a small model)")
+    args = parser.parse_args(argv)
+    if args.tiny:
+        args.tasks, args.copies, args.group_sizes, args.seeds, args.decide_at = 1, 4, [2, 4], [0, 1], 4
+    if any(size < 1 or args.copies % size for size in args.group_sizes):
+        parser.error(f"every group size must divide --copies {args.copies}, got {args.group_sizes}")
+    if args.decide_at not in args.group_sizes:
+        parser.error(f"--decide-at {args.decide_at} is not one of the group sizes {args.group_sizes}")
+    if min(args.seeds) < 0 or args.tasks < 1:
+        parser.error("seeds must be >= 0 and --tasks >= 1")
+
+    started = time.perf_counter()
+    report: dict[str, Any] = {"arguments": {key: str(value) if isinstance(value, Path) else value
+                                            for key, value in vars(args).items() if key != "configs"},
+                              "configs": [str(config) for config in args.configs], "games": {}}
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    for config in args.configs:
+        game = probe_game(config, model=args.model, seeds=args.seeds, tasks=args.tasks, copies=args.copies,
+                          group_sizes=args.group_sizes, search_depth=args.search_depth, trainer_class=trainer_class,
+                          log=lambda line: print(line, flush=True))
+        game["decision"] = decisions(game, args.decide_at)
+        report["games"][config.stem] = game
+        report["seconds"] = time.perf_counter() - started
+        args.output.write_text(json.dumps(report, indent=2))  # after each game: a cut-off run keeps what it did
+        print(table(game, args.decide_at), flush=True)
+    print(f"done in {report['seconds']:.0f} s; written to {args.output}")
+    return report
+
+
+if __name__ == "__main__":
+    main()
