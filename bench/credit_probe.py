@@ -2,7 +2,7 @@
 agent closer to a win above one that does not, better than the episode advantage of step-wise GRPO?
 
     python bench/credit_probe.py                                 # the design of docs/results.md, "Step credit probe"
-    python bench/credit_probe.py --seeds 0 --tasks 1             # a reduced run
+    python bench/credit_probe.py --seeds 0                       # a reduced run: the full run's first seed
     python bench/credit_probe.py --configs C.yaml --model M      # other games (recipe configs) or another model
 
 No training: for each game (a recipe config: environment, tasks, prompt template, history, temperature, answer length,
@@ -45,8 +45,9 @@ Reading rule (stated before the run, docs/results.md): on a game, the step signa
 GiGPO's pairwise ranking accuracy at N = --decide-at is above GRPO's on every seed; it loses when below on every seed;
 otherwise undecided.
 
-Written to OUTPUT (JSON: the arguments, per game the tasks, per seed the context, labels and figures, and the mean and
-min-max over seeds) and printed as a table, with progress lines as it goes.
+Written to OUTPUT (JSON: the arguments, per game and seed the tasks, context, costs and figures, and their mean and
+min-max over seeds) after each game, and printed as markdown tables, with progress lines as it goes;
+`--report-only OUTPUT` prints the tables again.
 """
 
 from __future__ import annotations
@@ -385,12 +386,11 @@ def probe_game(config: Path, *, model: str | None, seeds: Sequence[int], tasks: 
 
 
 def _cell(spread: dict[str, float], digits: int = 2) -> str:
-    """"mean (min-max)" of an over_seeds entry."""
+    """"mean (min to max)" of an over_seeds entry; the mean alone when every seed gives the same at this precision."""
     if math.isnan(spread["mean"]):
         return "-"
-    if spread["min"] == spread["max"]:
-        return f"{spread['mean']:.{digits}f}"
-    return f"{spread['mean']:.{digits}f} ({spread['min']:.{digits}f}-{spread['max']:.{digits}f})"
+    low, high = f"{spread['min']:.{digits}f}", f"{spread['max']:.{digits}f}"
+    return f"{spread['mean']:.{digits}f}" if low == high else f"{spread['mean']:.{digits}f} ({low} to {high})"
 
 
 def decisions(game: dict[str, Any], decide_at: int) -> str:
@@ -401,29 +401,39 @@ def decisions(game: dict[str, Any], decide_at: int) -> str:
 
 
 def table(game: dict[str, Any], decide_at: int | None) -> str:
-    """The printed report of one game: context, then one line per group size and signal."""
+    """The report of one game, in markdown: a line of context, the step groups per group size, then one row per
+    group size and signal (every cell the mean over seeds, with the min-max when the seeds differ)."""
     summary, seeds = game["over_seeds"], len(game["seeds"])
-    lines = [f"{Path(game['config']).stem} ({game['env_name']} {game['env_kwargs']}), {seeds} seeds: success "
-             f"{_cell(summary['success_rate'])}, steps per seed {_cell(summary['rows'], 0)}, invalid "
+    lines = [f"**{Path(game['config']).stem}** ({game['env_name']} {game['env_kwargs']}), {seeds} seeds: success "
+             f"{_cell(summary['success_rate'])}, steps per seed {_cell(summary['rows'], 0)}, off-format "
              f"{_cell(summary['invalid_share'])}; labels " + ", ".join(
                  f"{label} {_cell(summary['labels'][label])}" for label in LABELS),
-             "N  | signal         | sign agrees: directed / progress / regress | neutral <0 / =0 / >0 | mean A: "
-             "progress / neutral / regress | separation | pairs | ranking accuracy (right / tied / wrong) | zero A"]
+             "", "| N | step-group size | singleton groups | pairs with different labels |", "|---|---|---|---|"]
     for group_size, figures in summary["by_group_size"].items():
-        lines.append(f"{group_size:>2} | step groups: mean size {_cell(figures['step_group_size_mean'], 1)}, "
-                     f"singletons {_cell(figures['singleton_share'])}")
+        lines.append(f"| {group_size} | {_cell(figures['step_group_size_mean'], 1)} | "
+                     f"{_cell(figures['singleton_share'])} | {_cell(figures['GiGPO']['pairs']['all']['pairs'], 0)} |")
+    lines += ["", "| N | signal | sign agrees: directed | progress A > 0 | regress A < 0 | neutral A < 0 / = 0 / > 0 | "
+              "mean A: progress / neutral / regress | separation | ranking accuracy | right / tied / wrong | A = 0 |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for group_size, figures in summary["by_group_size"].items():
         for signal in SIGNALS:
-            m = figures[signal]
-            agree, means, pairs = m["sign_agreement"], m["mean"], m["pairs"]["all"]
+            agree, means, pairs = (figures[signal][key] for key in ("sign_agreement", "mean", "pairs"))
             lines.append(
-                f"{group_size:>2} | {signal:14s} | {_cell(agree['directed'])} / {_cell(agree['progress_positive'])} / "
+                f"| {group_size} | {signal} | {_cell(agree['directed'])} | {_cell(agree['progress_positive'])} | "
                 f"{_cell(agree['regress_negative'])} | {_cell(agree['neutral_negative'])} / {_cell(agree['neutral_zero'])}"
                 f" / {_cell(agree['neutral_positive'])} | {_cell(means['progress'])} / {_cell(means['neutral'])} / "
-                f"{_cell(means['regress'])} | {_cell(means['separation'])} | {_cell(pairs['pairs'], 0)} | "
-                f"{_cell(pairs['accuracy'])} ({_cell(pairs['right'])} / {_cell(pairs['tied'])} / {_cell(pairs['wrong'])})"
-                f" | {_cell(m['zero_share'])}")
+                f"{_cell(means['regress'])} | {_cell(means['separation'])} | {_cell(pairs['all']['accuracy'])} | "
+                f"{_cell(pairs['all']['right'])} / {_cell(pairs['all']['tied'])} / {_cell(pairs['all']['wrong'])} | "
+                f"{_cell(figures[signal]['zero_share'])} |")
+    lines.append("")
+    for group_size in summary["by_group_size"]:
+        gains = [seed["by_group_size"][group_size]["GiGPO"]["pairs"]["all"]["accuracy"]
+                 - seed["by_group_size"][group_size]["GRPO (omega=0)"]["pairs"]["all"]["accuracy"]
+                 for seed in game["seeds"].values()]
+        lines.append(f"Ranking accuracy, GiGPO - GRPO, at N = {group_size}, per seed: "
+                     + ", ".join(f"{gain:+.4f}" for gain in gains) + ".")
     if decide_at is not None:
-        lines.append(f"reading rule at N = {decide_at}: {decisions(game, decide_at)}")
+        lines.append(f"Reading rule at N = {decide_at}: {decisions(game, decide_at)}.")
     return "\n".join(lines)
 
 
@@ -436,16 +446,23 @@ def main(argv: Sequence[str] | None = None, trainer_class: type | None = None) -
                         "actions)")
     parser.add_argument("--model", default=None, help="model id or folder (default: each config's model_name_or_path)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--tasks", type=int, default=2, help="tasks per seed and game")
+    parser.add_argument("--tasks", type=int, default=1, help="tasks per seed and game")
     parser.add_argument("--copies", type=int, default=16, help="copies of each task (the largest group size)")
     parser.add_argument("--group-sizes", type=int, nargs="+", default=[4, 8, 16],
                         help="group sizes N; each must divide --copies")
     parser.add_argument("--decide-at", type=int, default=8, help="the group size the reading rule reads (the recipe's)")
     parser.add_argument("--search-depth", type=int, default=20, help="steps searched for a win from each state")
     parser.add_argument("--output", type=Path, default=ROOT / "outputs" / "credit_probe.json")
+    parser.add_argument("--report-only", type=Path, metavar="JSON", help="print the tables of a report this command "
+                        "wrote (also a cut-off run's) again, without running anything")
     parser.add_argument("--tiny", action="store_true", help="a smoke run: 1 task x 4 copies, group sizes 2 and 4, "
                         "seeds 0 and 1 (pass --model for a small model)")
     args = parser.parse_args(argv)
+    if args.report_only:
+        report = json.loads(args.report_only.read_text())
+        for game in report["games"].values():
+            print(table(game, report["arguments"]["decide_at"]) + "\n")
+        return report
     if args.tiny:
         args.tasks, args.copies, args.group_sizes, args.seeds, args.decide_at = 1, 4, [2, 4], [0, 1], 4
     if any(size < 1 or args.copies % size for size in args.group_sizes):
@@ -468,7 +485,7 @@ def main(argv: Sequence[str] | None = None, trainer_class: type | None = None) -
         report["games"][config.stem] = game
         report["seconds"] = time.perf_counter() - started
         args.output.write_text(json.dumps(report, indent=2))  # after each game: a cut-off run keeps what it did
-        print(table(game, args.decide_at), flush=True)
+        print(table(game, args.decide_at) + "\n", flush=True)
     print(f"done in {report['seconds']:.0f} s; written to {args.output}")
     return report
 

@@ -171,7 +171,7 @@ def test_the_probe_runs_at_tiny_scale(tiny_model_path, tmp_path, capsys):
     report = main(["--tiny", "--configs", str(config), "--model", tiny_model_path, "--output", str(output)],
                   trainer_class=ScriptedTrainer)
 
-    assert json.loads(output.read_text().replace("NaN", "null"))["games"].keys() == {"rooms5_idle2"}
+    assert json.loads(output.read_text())["games"].keys() == {"rooms5_idle2"}
     game = report["games"]["rooms5_idle2"]
     assert [seed["tasks"] for seed in game["seeds"].values()] == [[0], [1]]  # disjoint tasks per seed
     for seed in game["seeds"].values():
@@ -186,10 +186,19 @@ def test_the_probe_runs_at_tiny_scale(tiny_model_path, tmp_path, capsys):
                 pairs = figures[signal]["pairs"]["all"]
                 if pairs["pairs"]:
                     assert pairs["right"] + pairs["tied"] + pairs["wrong"] == pytest.approx(1.0)
+            # Rewards 0 or 1 and no invalid-action penalty: GiGPO keeps every order GRPO gives a pair (a winning row's
+            # return-to-go is above a losing row's) and can only break GRPO's ties.
+            gigpo, grpo = figures["GiGPO"]["pairs"]["all"], figures["GRPO (omega=0)"]["pairs"]["all"]
+            if grpo["pairs"]:
+                assert gigpo["right"] >= grpo["right"] and gigpo["wrong"] >= grpo["wrong"]
+                assert gigpo["tied"] <= grpo["tied"]
         # Groups of 4 hold the groups of 2: step groups can only grow.
         assert seed["by_group_size"]["4"]["step_group_size_mean"] >= seed["by_group_size"]["2"]["step_group_size_mean"]
     spread = game["over_seeds"]["by_group_size"]["4"]["GiGPO"]["zero_share"]
     assert spread["min"] <= spread["mean"] <= spread["max"]
     assert game["decision"].startswith(("the step signal", "undecided"))
     printed = capsys.readouterr().out
-    assert "rooms5_idle2" in printed and "reading rule at N = 4" in printed
+    assert "rooms5_idle2" in printed and f"Reading rule at N = 4: {game['decision']}." in printed
+    main(["--report-only", str(output)])  # the same tables again, from the file
+    again = capsys.readouterr().out.strip()
+    assert again.startswith("**rooms5_idle2**") and again in printed
