@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import textwrap
 import time
 import warnings
 from collections import defaultdict, deque
@@ -63,6 +64,8 @@ class GiGPOTrainer(GRPOTrainer):
     - `prediction_step` computes the evaluation loss in slices of bounded size (the parent runs one forward pass
       over the whole rollout); `evaluate` keeps its time out of `timing/update_s`; `log` first recomputes an
       evaluation's episode metrics over its distinct tasks.
+    - `_name`, `_tag_names` and `_paper`: the model card (`create_model_card`, which `push_to_hub` and every checkpoint
+      run) names GiGPO, is tagged `gigpo` and cites the GiGPO paper.
     The loss itself, reference and old log-probs (`_get_per_token_logps_and_entropies`), PEFT, DeepSpeed/FSDP,
     checkpointing and logging are inherited unchanged.
 
@@ -89,6 +92,20 @@ class GiGPOTrainer(GRPOTrainer):
 
     _tag_names = ["trl", "gigpo"]
     _name = "GiGPO"
+    # The paper the model card cites (TRL's `create_model_card`, also run by `push_to_hub` and at every checkpoint);
+    # without it the card would cite GRPOTrainer's, DeepSeekMath.
+    _paper = {
+        "title": "Group-in-Group Policy Optimization for LLM Agent Training",
+        "id": "2505.10978",
+        # docstyle-ignore
+        "citation": textwrap.dedent("""\
+            @article{feng2025group,
+                title        = {{Group-in-Group Policy Optimization for LLM Agent Training}},
+                author       = {Lang Feng and Zhenghai Xue and Tingcong Liu and Bo An},
+                year         = 2025,
+                eprint       = {arXiv:2505.10978},
+            }"""),
+    }
 
     def __init__(
         self,

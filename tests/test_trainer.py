@@ -139,3 +139,27 @@ def test_a_non_finite_reward_ends_its_trajectory_as_an_environment_failure(tmp_p
     assert log["env/env_error_share"] == 1.0 and log["env/truncated_share"] == 1.0
     assert all(np.isfinite(log[key]) for key in ("gigpo/episode_advantage_std", "gigpo/step_advantage_std", "loss"))
     trainer.close_environments()
+
+
+def test_a_pushed_model_card_cites_gigpo_and_not_grpos_paper(tmp_path, tiny_model_path, monkeypatch):
+    import huggingface_hub
+    from huggingface_hub.errors import OfflineModeIsEnabled
+
+    trainer = GiGPOTrainer(tiny_model_path, args=settings_config(tmp_path, max_steps=1),
+                           train_dataset=task_dataset(range(4)))
+    # TRL's push_to_hub saves the model, writes the card into output_dir (create_model_card), then uploads the folder.
+    # The Hub is not reachable from the tests: offline mode makes the upload the one step that fails, and the repository
+    # id stands for the one init_hf_repo would have created there.
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    trainer.hub_model_id = "someone/gigpo-sokoban"
+    with pytest.raises(OfflineModeIsEnabled):
+        trainer.push_to_hub()
+
+    card = huggingface_hub.ModelCard.load(tmp_path / "README.md")
+    assert {"trl", "gigpo"} <= set(card.data.tags) and "grpo" not in card.data.tags
+    assert ("trained with GiGPO, a method introduced in [Group-in-Group Policy Optimization for LLM Agent Training]"
+            "(https://huggingface.co/papers/2505.10978)") in card.text
+    assert "Cite GiGPO as:" in card.text and "@article{feng2025group," in card.text
+    assert "author       = {Lang Feng and Zhenghai Xue and Tingcong Liu and Bo An}" in card.text
+    assert "DeepSeekMath" not in card.text and "2402.03300" not in card.text
+    trainer.close_environments()
