@@ -28,7 +28,7 @@ REPLACED_FIELDS = {
     "multi_objective_aggregation": ("sum_then_normalize", "there is one reward, the environment's; advantages are "
                                     "normalized by advantage_norm"),
 }
-# Anchors of the environment_factory classes of TRL (gigpo_trl.environments.trl_environment).
+# Anchors of the environment_factory classes of TRL (gigpo_trl.trl_environment).
 TOOL_ANCHOR_MODES = ("state", "tool_calls")
 DEFAULT_MAX_ENV_STEPS = 50
 

@@ -8,7 +8,7 @@ prompts as the busiest process when the backend slices results by rank), so coll
 
 A `Dialogue` says how a step's prompt is written and how an answer becomes the environment's action:
 `TextDialogue` for text environments (observation, admissible actions, `<action>` answers), and the
-tool-calling dialogue of TRL's `environment_factory` classes (`gigpo_trl.environments.trl_environment`).
+tool-calling dialogue of TRL's `environment_factory` classes (`gigpo_trl.trl_environment`).
 """
 
 from __future__ import annotations

@@ -21,9 +21,6 @@ from gigpo_trl.advantages import GiGPOAdvantages, compute_gigpo_advantages
 from gigpo_trl.batch import loss_batch, rows_for_update
 from gigpo_trl.config import GiGPOConfig
 from gigpo_trl.env_pool import EnvPool
-from gigpo_trl.environments.trl_environment import (
-    ToolCallDialogue, TRLEnvironment, check_tool_chat_template, checked_trainer_arguments,
-)
 from gigpo_trl.envs import TextEnv, env_factory
 from gigpo_trl.generation import completions_from_tokens, greedy_decoding, vllm_awake
 from gigpo_trl.metrics import (
@@ -38,6 +35,9 @@ from gigpo_trl.rollout import (
     DUMMY_PROMPT, Completion, Dialogue, Messages, Rollout, TextDialogue, Tools, collect_rollout,
 )
 from gigpo_trl.tasks import check_task_datasets, row_tasks, tasks_from_rows
+from gigpo_trl.trl_environment import (
+    ToolCallDialogue, TRLEnvironment, check_tool_chat_template, checked_trainer_arguments,
+)
 
 
 def environment_reward(completions: list, **kwargs: Any) -> list[float]:
@@ -84,7 +84,7 @@ class GiGPOTrainer(GRPOTrainer):
         callbacks, optimizers, peft_config: as in `GRPOTrainer`.
         environment_factory: instead of `env`, a class (or zero-argument callable, or a dict of them routed by an
             `environment` column) written for `GRPOTrainer(environment_factory=...)`: its public methods are tools the
-            model calls, one assistant turn a step (`gigpo_trl.environments.trl_environment`).
+            model calls, one assistant turn a step (`gigpo_trl.trl_environment`).
         reward_funcs: with an `environment_factory`, TRL reward functions taking `environments=`, whose sum is the
             reward of an episode's last step. Otherwise refused (rewards come from the environment's `step`), so that
             code written for `GRPOTrainer` fails with a clear message.

@@ -14,9 +14,9 @@ from toy_tool_envs import GuessTheNumber, IncrementEnv, guess_reward
 from trainer_helpers import cpu_config
 from trl import GRPOConfig, GRPOTrainer
 
-from gigpo_trl.environments.trl_environment import TRLEnvironment, attribute_anchor
 from gigpo_trl.records import read_trajectories
 from gigpo_trl.trainer import GiGPOTrainer
+from gigpo_trl.trl_environment import TRLEnvironment, attribute_anchor
 
 pytestmark = pytest.mark.timeout(300)
 
