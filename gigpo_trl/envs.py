@@ -12,7 +12,8 @@ whose observations and actions are strings plugs in unchanged:
 - Optional `info` keys:
     `anchor`             hashable exact key of the state the next action is taken in (default: `obs`)
     `admissible_actions` list of str, the actions that make sense now
-    `won`                bool, the task is solved
+    `won`                bool, the task is solved; the success rates count it (an environment that never
+                         gives it logs no success rate: unknown, not 0)
     `task`               str, the goal text
     `task_type`          str, the kind of task (evaluation reports success per type)
 

@@ -45,6 +45,7 @@ class RolloutSummary:
 
     episodes: int
     won: int
+    success_known: int  # episodes whose environment said whether they were won (`Episode.won` is not None)
     return_sum: float
     return_squares: float
     length_sum: int
@@ -83,7 +84,8 @@ class RolloutSummary:
             returns_by_group[episode.group].append(episode.episode_return)
         return cls(
             episodes=len(episodes),
-            won=sum(e.won for e in episodes),
+            won=sum(e.won is True for e in episodes),
+            success_known=sum(e.won is not None for e in episodes),
             return_sum=float(returns.sum()),
             return_squares=float((returns**2).sum()),
             length_sum=sum(e.length for e in episodes),
@@ -127,7 +129,7 @@ def rollout_metrics(summaries: Sequence[RolloutSummary], update_seconds: float |
     step_groups = StepGroupStats.combine([s.step_groups for s in summaries]).as_metrics()
     del step_groups["gigpo/num_rows"]  # logged as env/step_samples
     metrics = {
-        "env/success_rate": total("won") / max(episodes, 1),
+        **_success_rate(total("won"), total("success_known")),
         "env/return_mean": total("return_sum") / max(episodes, 1),
         "env/return_std": _bessel_std(total("return_sum"), total("return_squares"), episodes),
         "env/episode_length_mean": total("length_sum") / max(episodes, 1),
@@ -187,7 +189,7 @@ class PanelEpisode:
     task: str  # the seed and options, as JSON
     copy: int
     task_type: str | None
-    won: bool
+    won: bool | None  # None: the environment did not say
     episode_return: float
     length: int
 
@@ -201,6 +203,8 @@ class PanelEpisode:
 def panel_metrics(episodes: Sequence[PanelEpisode]) -> dict[str, float]:
     """Success rate, mean return and mean episode length over the distinct (task, copy) pairs of an evaluation,
     overall and per task type (`env/success_rate/<type>`), and the number of distinct tasks (`env/panel_tasks`).
+    The success rates count the episodes whose environment said whether they were won, and are left out where none
+    did.
 
     To give every process whole batches, the evaluation dataloader plays some tasks twice when the task count is
     not a multiple of the tasks per step of all processes; the first play of each (task, copy) counts, the others
@@ -213,14 +217,22 @@ def panel_metrics(episodes: Sequence[PanelEpisode]) -> dict[str, float]:
         return {}
     kept = list(distinct.values())
     metrics = {
-        "env/success_rate": float(np.mean([e.won for e in kept])),
+        **_success_rate(sum(e.won is True for e in kept), sum(e.won is not None for e in kept)),
         "env/return_mean": float(np.mean([e.episode_return for e in kept])),
         "env/episode_length_mean": float(np.mean([e.length for e in kept])),
         "env/panel_tasks": float(len({e.task for e in kept})),
     }
     for task_type in sorted({e.task_type for e in kept if e.task_type is not None}):
-        metrics[f"env/success_rate/{task_type}"] = float(np.mean([e.won for e in kept if e.task_type == task_type]))
+        of_type = [e for e in kept if e.task_type == task_type]
+        metrics.update(_success_rate(sum(e.won is True for e in of_type), sum(e.won is not None for e in of_type),
+                                     name=f"env/success_rate/{task_type}"))
     return metrics
+
+
+def _success_rate(won: float, known: float, name: str = "env/success_rate") -> dict[str, float]:
+    """{name: won / known} over the episodes whose success is known; {} when none is: a success rate of 0 would say
+    "never won" where the environment said nothing."""
+    return {name: won / known} if known else {}
 
 
 def _bessel_std(total: float, squares: float, count: float) -> float:

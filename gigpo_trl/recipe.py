@@ -24,7 +24,7 @@ def train_and_report(trainer: Any, resume_from_checkpoint: str | bool | None = N
                      panel: str = "Held-out success rate") -> RunOutcome:
     """Evaluate (if the trainer has held-out tasks), train, evaluate again, save the model, stop the environments and
     write the run report (`gigpo_trl.report`); the main process prints `panel` with the success rates before and
-    after, and where the report is."""
+    after (the mean returns where the environment does not say whether a task is won), and where the report is."""
     held_out = trainer.eval_dataset is not None
     before = trainer.evaluate() if held_out else None
     trainer.train(resume_from_checkpoint=resume_from_checkpoint)
@@ -34,7 +34,10 @@ def train_and_report(trainer: Any, resume_from_checkpoint: str | bool | None = N
     if not trainer.accelerator.is_main_process:
         return RunOutcome(before, after, None)
     report = write_report(trainer.args.output_dir)
-    if held_out:
+    if held_out and "eval_env/success_rate" in before:
         print(f"{panel}: {before['eval_env/success_rate']:.1%} before training -> {after['eval_env/success_rate']:.1%} after")
+    elif held_out:
+        print(f"{panel}: success not reported by the environment (no `won`); mean return {before['eval_env/return_mean']:.4g} "
+              f"before training -> {after['eval_env/return_mean']:.4g} after")
     print(f"Report: {report / 'index.html'}")
     return RunOutcome(before, after, report)

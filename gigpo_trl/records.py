@@ -1,4 +1,5 @@
-"""What a training run leaves on disk for its report (`python -m gigpo_trl.report OUTPUT_DIR`).
+"""What a training run leaves on disk for its report (`python -m gigpo_trl.report OUTPUT_DIR`). The success rates
+(`env/success_rate...`) are in the metrics only where the environment says whether its tasks are won (`info["won"]`).
 
     OUTPUT_DIR/gigpo/iterations.jsonl            one JSON object per rollout (train and eval):
         {"step": int, "mode": "train" | "eval", "rollout": int (count per mode), "metrics": {name: float},
@@ -7,9 +8,9 @@
     OUTPUT_DIR/gigpo/evaluations.jsonl           one JSON object per evaluation (all its rollouts, each task once):
         {"step": int, "metrics": {"env/success_rate": float, "env/success_rate/<task type>": float, ...}}
     OUTPUT_DIR/gigpo/trajectories/{mode}-{rollout:05d}.json   sample episodes of that rollout:
-        [{"group", "trajectory", "seed", "length", "return", "won", "truncated", "env_error",
-          "steps": [{"step", "observation", "completion", "action", "valid", "reward",
-                     "step_group_size", "episode_advantage", "step_advantage", "advantage"}]}]
+        [{"group", "trajectory", "seed", "length", "return", "won" (null: the environment did not say), "truncated",
+          "env_error", "steps": [{"step", "observation", "completion", "action", "valid", "reward",
+                                  "step_group_size", "episode_advantage", "step_advantage", "advantage"}]}]
 """
 
 from __future__ import annotations

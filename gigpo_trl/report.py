@@ -36,9 +36,11 @@ PLOT_CAPTIONS = {
     "step_groups.png": "Step groups: the states that several copies of a task reached, whose steps GiGPO compares.",
     "advantages.png": "Distributions of the episode advantage A_E and of the step advantage A_S over step samples.",
 }
-# Drawn when the run was evaluated (GiGPOTrainer.evaluate).
+# Drawn when the run was evaluated (GiGPOTrainer.evaluate) and its environment says whether a task is won.
 PANEL_CAPTION = ("panel.png", "Held-out success rate of every evaluation, each task counted once: overall and per task "
                  "type (info[\"task_type\"]).")
+# In the success plot of a run whose environment does not say whether a task is won (no success rate is logged).
+SUCCESS_NOT_REPORTED = "not reported:\nthe environment does not say\nwhether a task is won (info[\"won\"])"
 
 # The metrics of the table at the top of the page, with what they mean.
 KEY_METRICS = {
@@ -87,7 +89,7 @@ def write_report(output_dir: str | Path, max_rollouts: int = DEFAULT_ROLLOUTS_SH
     _plot_advantages(train, evaluation).savefig(report_dir / "advantages.png", dpi=100)
     captions = dict(PLOT_CAPTIONS)
     evaluations = read_evaluations(output_dir)
-    if evaluations:
+    if any("env/success_rate" in record["metrics"] for record in evaluations):
         _plot_panel(evaluations).savefig(report_dir / PANEL_CAPTION[0], dpi=100)
         captions[PANEL_CAPTION[0]] = PANEL_CAPTION[1]
 
@@ -111,7 +113,10 @@ def _plot_outcomes(train: list[dict[str, Any]], evaluation: list[dict[str, Any]]
         ("env/invalid_action_rate", "Invalid answers", "share of answers without <action>...</action>"),
     )
     for axes, (metric, title, unit) in zip(figure.subplots(1, 4), panels):
-        _plot_metric(axes, train, evaluation, metric)
+        if metric == "env/success_rate" and not any(metric in record["metrics"] for record in train + evaluation):
+            axes.text(0.5, 0.5, SUCCESS_NOT_REPORTED, ha="center", va="center", transform=axes.transAxes)
+        else:
+            _plot_metric(axes, train, evaluation, metric)
         axes.set(title=title, xlabel=STEP_AXIS_LABEL, ylabel=unit)
     for share in (figure.axes[0], figure.axes[3]):
         share.set_ylim(-0.05, 1.05)
@@ -306,14 +311,16 @@ def _rollout_details(mode_name: str, name: str, record: dict[str, Any] | None, e
 
 
 def _episode_details(episode: dict[str, Any]) -> str:
-    outcome = ["won" if episode["won"] else "not won"]
+    # won is None where the environment did not say whether the task was won
+    said, style = {True: ("won", "won"), False: ("not won", "lost"), None: ("success not reported", "")}[episode["won"]]
+    outcome = [said]
     if episode["truncated"]:
         outcome.append("truncated")
     if episode["env_error"] is not None:
         outcome.append(f"environment error: {_escape(episode['env_error'])}")
     summary = (f"task group {episode['group']} · environment {episode['trajectory']} · seed {_escape(episode['seed'])}"
                f" · return {episode['return']:.3f} · {episode['length']} steps · "
-               f'<span class="{"won" if episode["won"] else "lost"}">{", ".join(outcome)}</span>')
+               f'<span class="{style}">{", ".join(outcome)}</span>')
     header = "".join(
         f'<th title="{_escape(explanation)}">{label}</th>'
         for label, explanation in (

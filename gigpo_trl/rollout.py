@@ -136,7 +136,9 @@ class Episode:
     task_type: str | None = None  # the environment's info["task_type"] at reset, if it gives one
     length: int = 0
     episode_return: float = 0.0
-    won: bool = False
+    # The latest info["won"] of the episode: None while the environment has not said whether the task is solved (an
+    # environment without `won` never does), so that "unknown" is never counted as "lost".
+    won: bool | None = None
     done: bool = False  # the episode has ended (on its own or cut off)
     truncated: bool = False  # cut off (max_env_steps, the environment's own limit, or an environment failure)
     env_error: str | None = None  # why the environment failed, if it did
@@ -242,7 +244,8 @@ def collect_rollout(
 
 
 def _end_if_done(episode: Episode, output: EnvOutput) -> None:
-    episode.won = bool(output.info.get(INFO_WON, False))
+    if output.info.get(INFO_WON) is not None:  # an output that does not say (a failure's) keeps what the last one said
+        episode.won = bool(output.info[INFO_WON])
     if output.done:
         episode.done = True
         episode.truncated = output.truncated and not output.terminated

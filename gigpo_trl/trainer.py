@@ -76,7 +76,8 @@ class GiGPOTrainer(GRPOTrainer):
         train_dataset: the tasks: rows with a `seed` column (int) and optionally `options` (a dict or a JSON object
             string passed to `env.reset`), see `gigpo_trl.task_dataset`; with an `environment_factory`, rows in TRL's
             shape (a `prompt` and the columns `reset` takes; optional there, as in TRL).
-        eval_dataset: held-out tasks, same format; `evaluate()` logs `eval_env/success_rate` etc.
+        eval_dataset: held-out tasks, same format; `evaluate()` logs `eval_env/return_mean` etc., and
+            `eval_env/success_rate` where the environment says whether a task is won (`info["won"]`).
         processing_class: the tokenizer (default: loaded from the model).
         env: overrides `args.env_name`: a registered name, a gymnasium id, or a callable creating an
             environment (e.g. a class defined in a notebook).

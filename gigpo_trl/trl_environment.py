@@ -23,7 +23,13 @@ The episode ends on a reply without a tool call (TRL's rule), when the instance 
 Rewards per step: with `get_reward()`, a step's reward is the change of `get_reward()` it caused (the first step's
 is its value after the step), so an episode's rewards sum to `get_reward()` at its end, TRL's reward. With
 `reward_funcs` taking `environments=`, their sum comes as the reward of the episode's last step. Both add up when
-both are given. An optional `won` attribute of the instance gives `info["won"]` (the success rate).
+both are given.
+
+Success (`info["won"]`, the success rate `env/success_rate`): the instance's `won`, read on reset and after every
+step: a bool, or None while unknown. The class defines it, as an attribute its tools and `reset` set or a property
+computed from its state (neither is a tool, for TRL or here); a reward function that scores success reads it from the
+instances it is given, as the recipe's game and its `won` reward function do. A class without `won` has no success
+rate (rather than a rate of 0).
 
 The N copies of a task start alike: Python's and numpy's global random generators are seeded with the task's seed
 before `reset` (each environment runs in its own worker process, so the seeding is its own), and the trainer checks
@@ -198,7 +204,7 @@ class TRLEnvironment(BaseTextEnv):
     `reset(seed=s, options=row)`: seeds Python's and numpy's generators with `s`, then calls the instance's
     `reset(**row)`. `step(action)`: `action` is the assistant message as JSON (`ToolCallDialogue.read`).
     `info` on reset: `anchor`, `prompt`, `tools`, `task_type` (the environment's name); on step: `anchor`,
-    `tool_messages`, `task_type`; both `won` when the instance has a `won` attribute.
+    `tool_messages`, `task_type`; both `won` when the instance's `won` attribute is a bool (see the module docstring).
     """
 
     def __init__(self, environment_factory: EnvironmentFactory | Mapping[str, EnvironmentFactory], *,
@@ -304,10 +310,20 @@ class TRLEnvironment(BaseTextEnv):
             anchor = self.environment.gigpo_anchor()
         else:
             anchor = attribute_anchor(self.environment)
-        info = {INFO_ANCHOR: anchor, INFO_TASK_TYPE: self._name or type(self.environment).__name__}
-        if hasattr(self.environment, "won"):
-            info[INFO_WON] = bool(self.environment.won)
-        return info
+        return {INFO_ANCHOR: anchor, INFO_TASK_TYPE: self._name or type(self.environment).__name__, **self._success()}
+
+    def _success(self) -> dict[str, bool]:
+        """`{"won": the instance's won}`; empty when it has no `won` or it is None (unknown).
+
+        Raises:
+            ValueError: `won` is neither a bool nor None, naming the class and the value.
+        """
+        won = getattr(self.environment, "won", None)
+        if won is None:
+            return {}
+        if not isinstance(won, bool | np.bool_):
+            raise ValueError(f"{type(self.environment).__name__}.won must be a bool (or None while unknown), got {won!r}")
+        return {INFO_WON: bool(won)}
 
     def _resolved(self, value: Any) -> Any:
         return self._loop.run_until_complete(value) if inspect.isawaitable(value) else value

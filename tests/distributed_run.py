@@ -55,7 +55,7 @@ def main(model_dir: str, output_dir: str, env_name: str = "corridor") -> None:
         evaluation = trainer.evaluate()
     trainer.close_environments()
     if trainer.accelerator.is_main_process:
-        logs = [entry for entry in trainer.state.log_history if "env/success_rate" in entry]
+        logs = [entry for entry in trainer.state.log_history if "env/step_samples" in entry]  # one per rollout
         processes = trainer.accelerator.num_processes
         Path(output_dir, "metrics.json").write_text(json.dumps({"processes": processes, "logs": logs,
                                                                 "evaluation": evaluation}))

@@ -8,9 +8,14 @@ import time
 import numpy as np
 import pytest
 from scripted_policy import ScriptedTrainer
+from toy_envs import Corridor
 from trainer_helpers import cpu_config, settings_config
 
-from gigpo_trl.tasks import task_dataset
+from gigpo_trl.advantages import compute_gigpo_advantages
+from gigpo_trl.env_pool import EnvPool
+from gigpo_trl.metrics import PanelEpisode, RolloutSummary, RolloutTimes, panel_metrics, rollout_metrics
+from gigpo_trl.rollout import Completion, collect_rollout
+from gigpo_trl.tasks import Task, task_dataset
 from gigpo_trl.trainer import GiGPOTrainer
 
 pytestmark = pytest.mark.timeout(300)
@@ -155,3 +160,48 @@ def test_completion_logs_hold_each_step_prompt_answer_reward_and_advantage(tmp_p
     assert list(trainer._logs["rewards"]["environment_reward"]) == [0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 1.0]
     np.testing.assert_allclose(trainer._logs["advantages"], batch["advantages"].numpy(), rtol=1e-6)
     trainer.close_environments()
+
+
+class SilentOnOddLengths(Corridor):
+    """A corridor that says whether it is won (info["won"]) only when its length is even."""
+
+    def _info(self):
+        info = super()._info()
+        if self.length % 2:
+            del info["won"]
+        return info
+
+
+def walk_right(prompts, tools):
+    return [Completion([1, 2, 3], [4], "<action>right</action>") for _ in prompts]
+
+
+def success_metrics(seeds: list[int]) -> tuple[list, dict[str, float], dict[str, float]]:
+    """Three steps to the right in corridors of 3 + seed % 4 cells: the episodes, the rollout's metrics and the
+    evaluation panel's metrics."""
+    with EnvPool(SilentOnOddLengths, num_groups=len(seeds), group_size=1, processes=False) as pool:
+        rollout = collect_rollout(pool, [Task(seed) for seed in seeds], walk_right, max_env_steps=3, show_progress=False)
+    steps = rollout.steps
+    gigpo = compute_gigpo_advantages(steps.reward, steps.group, steps.trajectory, steps.step, steps.anchor)
+    summary = RolloutSummary.of(rollout, gigpo, RolloutTimes(1.0, 0.5, 0.5, 0.0), max_completion_length=8,
+                                end_token_ids={4}, subsampled=0)
+    panel = panel_metrics([PanelEpisode.of(episode, group_size=1) for episode in rollout.episodes])
+    return rollout.episodes, rollout_metrics([summary]), panel
+
+
+def test_the_success_rate_counts_the_episodes_whose_environment_says_and_no_other():
+    # Corridors of 3, 4, 5 and 6 cells: three steps win those of 3 and 4; only those of 4 and 6 say so.
+    episodes, metrics, panel = success_metrics([0, 1, 2, 3])
+
+    assert [(e.episode_return, e.won) for e in episodes] == [(1.0, None), (1.0, True), (0.0, None), (0.0, False)]
+    assert metrics["env/success_rate"] == panel["env/success_rate"] == 0.5  # not 1/4: the silent win is not a loss
+    assert {name: value for name, value in panel.items() if name.startswith("env/success_rate/")} == {
+        "env/success_rate/corridor-4": 1.0, "env/success_rate/corridor-6": 0.0}
+
+
+def test_a_rollout_where_no_environment_says_has_no_success_rate_rather_than_zero():
+    episodes, metrics, panel = success_metrics([0, 2])  # corridors of 3 and 5 cells: neither says
+
+    assert [(e.episode_return, e.won) for e in episodes] == [(1.0, None), (0.0, None)]
+    assert metrics["env/return_mean"] == panel["env/return_mean"] == 0.5
+    assert [name for name in (*metrics, *panel) if "success_rate" in name] == []

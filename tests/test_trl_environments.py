@@ -14,7 +14,8 @@ from toy_tool_envs import GuessTheNumber, IncrementEnv, guess_reward
 from trainer_helpers import cpu_config
 from trl import GRPOConfig, GRPOTrainer
 
-from gigpo_trl.records import read_trajectories
+from gigpo_trl.recipe import train_and_report
+from gigpo_trl.records import read_evaluations, read_iterations, read_trajectories
 from gigpo_trl.trainer import GiGPOTrainer
 from gigpo_trl.trl_environment import TRLEnvironment, attribute_anchor
 
@@ -112,6 +113,60 @@ def test_a_guessing_game_with_done_and_reward_funcs_scores_the_last_step(tmp_pat
     log = next(entry for entry in trainer.state.log_history if "env/success_rate" in entry)
     assert log["env/success_rate"] == 1.0
     trainer.close_environments()
+
+
+def test_a_class_without_won_logs_no_success_rate_anywhere_while_its_returns_are_logged(tmp_path, tool_model_path,
+                                                                                         capsys):
+    # IncrementEnv has get_reward and no `won`: whether an episode was won is unknown, which is not a success rate of 0.
+    trainer = ScriptedToolTrainer(tool_model_path, args=tool_config(tmp_path, per_device_eval_batch_size=2),
+                                  train_dataset=rows(4), eval_dataset=rows(1), environment_factory=IncrementEnv)
+    outcome = train_and_report(trainer)
+
+    assert all(episode.won is None for episode in trainer.last_rollout.episodes)
+    logged = [entry for entry in trainer.state.log_history if "env/return_mean" in entry]
+    assert logged and all(entry["env/return_mean"] == 1.0 for entry in logged)  # every counter reaches its target
+    assert not [name for entry in trainer.state.log_history for name in entry if "success_rate" in name]
+    for evaluation in (outcome.before, outcome.after):
+        assert evaluation["eval_env/return_mean"] == 1.0 and not [name for name in evaluation if "success_rate" in name]
+    records = [*read_iterations(tmp_path), *read_evaluations(tmp_path)]
+    assert len(records) == 5 and not [name for record in records for name in record["metrics"] if "success_rate" in name]
+    assert {episode["won"] for episodes in read_trajectories(tmp_path).values() for episode in episodes} == {None}
+    assert not (outcome.report / "panel.png").exists()  # no held-out success to plot, rather than a line at 0
+    assert "success not reported" in (outcome.report / "index.html").read_text()
+    assert ("Held-out success rate: success not reported by the environment (no `won`); mean return 1 before training "
+            "-> 1 after") in capsys.readouterr().out
+
+
+def increment(step: int) -> str:
+    return json.dumps({"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "increment", "arguments": {"step": step}}}]})
+
+
+class ReachedAsAProperty(IncrementEnv):
+    @property
+    def won(self) -> bool:
+        """Success computed from the state, as a class with get_reward only can give it (a property: no tool)."""
+        return self.counter == self.target
+
+
+class UnknownUntilOver(IncrementEnv):
+    won = None  # None: unknown
+
+
+class SaysYes(IncrementEnv):
+    won = "yes"
+
+
+def test_success_is_the_instance_s_won_a_bool_or_none_while_unknown():
+    environment = TRLEnvironment(ReachedAsAProperty)
+    _, info = environment.reset(seed=1, options={})
+    assert info["won"] is False and [tool["function"]["name"] for tool in info["tools"]] == ["increment"]
+    assert environment.step(increment(environment.environment.target))[4]["won"] is True
+
+    for unknown in (IncrementEnv, UnknownUntilOver):
+        assert "won" not in TRLEnvironment(unknown).reset(seed=0, options={})[1]
+    with pytest.raises(ValueError, match=r"SaysYes.won must be a bool \(or None while unknown\), got 'yes'"):
+        TRLEnvironment(SaysYes).reset(seed=0, options={})
 
 
 def test_an_exception_in_a_tool_becomes_its_error_result_as_in_trl():
@@ -243,3 +298,4 @@ def test_two_processes_train_a_trl_environment_class(tmp_path, tool_model_path):
     assert len(logs) == 2
     for log in logs:  # every episode reaches its target (reward 1 once) and ends on a reply without a tool call
         assert log["env/truncated_share"] == 0.0 and log["env/return_mean"] == 1.0 and log["env/step_samples"] >= 16
+        assert "env/success_rate" not in log  # IncrementEnv has no `won`: unknown on every process, not 0
