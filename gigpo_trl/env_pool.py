@@ -33,6 +33,10 @@ class GroupStartMismatchWarning(UserWarning):
     """The N copies of a task did not start in the same state: GiGPO's step groups degrade."""
 
 
+class EnvironmentFailureWarning(UserWarning):
+    """An environment raised, crashed or hung: its trajectory ended there (the run goes on); says why."""
+
+
 @dataclass
 class EnvOutput:
     """What one environment returned for one reset or step (reset: reward 0, not terminated)."""
@@ -159,6 +163,8 @@ class EnvPool:
                 self._last_observations[i] = payload.observation
             else:
                 outputs[i] = EnvOutput(self._last_observations[i], truncated=True, info={INFO_ENV_ERROR: payload})
+                warnings.warn(f"environment {self.name!r} #{i} failed and its trajectory ends here (the run goes on; "
+                              f"logged as env/env_error_share): {payload}", EnvironmentFailureWarning, stacklevel=3)
         return outputs
 
     def _run_inline(self, requests: dict[int, tuple[str, Any]]) -> dict[int, tuple[str, Any]]:

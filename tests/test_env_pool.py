@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import pytest
 from toy_envs import Corridor, FailingReset, FragileCorridor, UnseededCorridor
 
-from gigpo_trl.env_pool import INFO_ENV_ERROR, EnvPool, GroupStartMismatchWarning
+from gigpo_trl.env_pool import INFO_ENV_ERROR, EnvironmentFailureWarning, EnvPool, GroupStartMismatchWarning
 from gigpo_trl.tasks import Task
 
 pytestmark = pytest.mark.timeout(120)
@@ -52,7 +53,8 @@ def test_steps_only_the_environments_asked_for():
 )
 def test_a_failing_environment_ends_only_its_own_trajectory(fragile_pool, action, reason):
     # The step returns although environment 0 failed: a pool that waited forever would fail on pytestmark's timeout.
-    outputs = fragile_pool.step({0: action, 1: "right", 2: "right", 3: "left"})
+    with pytest.warns(EnvironmentFailureWarning, match=f"environment 'fragile' #0 failed.*: {re.escape(reason)}"):
+        outputs = fragile_pool.step({0: action, 1: "right", 2: "right", 3: "left"})
 
     failed = outputs[0]
     assert failed.truncated and not failed.terminated and failed.reward == 0.0
