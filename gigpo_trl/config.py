@@ -42,9 +42,12 @@ class GiGPOConfig(GRPOConfig):
     Every environment step is one training sample. The defaults are those of the GiGPO paper
     (arXiv 2505.10978) and its reference implementation.
 
-    On a machine without CUDA, `bf16` defaults to False (bf16 matmuls are about 10x slower on CPUs
-    without bf16 instructions); set it explicitly to override. There, under a multi-process launcher
-    (`torchrun --nproc_per_node N`), `use_cpu` defaults to True, so that the processes form one run (gloo).
+    On a machine without an accelerator an unset `bf16` means auto: bf16 autocast (with `use_cpu`) on CPUs
+    with bf16 instructions (x86 AVX-512 BF16 or AMX), where it trained the CPU quickstart 1.46x faster to the
+    same held-out success (docs/performance.md), and fp32 elsewhere (there bf16 matmuls are about 10x slower);
+    on other machines without CUDA it means fp32. Set `bf16` explicitly to override. Without CUDA, under a
+    multi-process launcher (`torchrun --nproc_per_node N`), `use_cpu` defaults to True, so that the processes
+    form one run (gloo).
     """
 
     # GiGPO
@@ -138,7 +141,9 @@ class GiGPOConfig(GRPOConfig):
 
     def __post_init__(self):
         if self.bf16 is None and not self.fp16 and not _cuda_available():
-            self.bf16 = False
+            self.bf16 = _cpu_only() and _cpu_has_bf16_instructions()
+            if self.bf16:
+                self.use_cpu = True  # transformers takes bf16 on a machine without a GPU only with use_cpu
         if not self.use_cpu and int(os.environ.get("WORLD_SIZE", "1")) > 1 and not _cuda_available():
             # Several processes (torchrun) on a machine without CUDA: without use_cpu, accelerate would make
             # every process train alone; with it they form one run over gloo.
@@ -240,3 +245,17 @@ def _cuda_available() -> bool:
     import torch  # noqa: PLC0415
 
     return torch.cuda.is_available()
+
+
+def _cpu_only() -> bool:
+    """No accelerator at all (CUDA, XPU, MPS, ...): training runs on the CPU."""
+    import torch  # noqa: PLC0415
+
+    return torch.accelerator.current_accelerator() is None
+
+
+def _cpu_has_bf16_instructions() -> bool:
+    """The CPU computes bf16 natively (x86 AVX-512 BF16 or AMX); elsewhere bf16 on the CPU is emulated."""
+    import torch  # noqa: PLC0415
+
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()

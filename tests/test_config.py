@@ -3,9 +3,12 @@ with a message that names them; the batch arithmetic is explained in tasks and c
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from trainer_helpers import cpu_config, settings_config
 
+import gigpo_trl.config as config_module
 from gigpo_trl.config import SUPPORTED_LOSS_TYPES, GiGPOConfig
 from gigpo_trl.tasks import task_dataset
 from gigpo_trl.trainer import GiGPOTrainer
@@ -31,9 +34,25 @@ def test_config_rejects_invalid_combinations_naming_the_fields(tmp_path, overrid
         cpu_config(tmp_path, **settings)
 
 
-def test_cpu_config_defaults_to_fp32_and_keeps_an_explicit_choice(tmp_path):
+@pytest.mark.skipif(not config_module._cpu_only(), reason="the CPU default applies to machines without an accelerator")
+@pytest.mark.parametrize("bf16_instructions", [True, False], ids=["bf16 CPU", "other CPU"])
+def test_an_unset_bf16_follows_the_cpus_bf16_instructions_and_an_explicit_choice_is_kept(
+        tmp_path, monkeypatch, bf16_instructions):
+    monkeypatch.setattr(config_module, "_cpu_has_bf16_instructions", lambda: bf16_instructions)
+    unset = GiGPOConfig(output_dir=str(tmp_path), report_to=[])
+    assert unset.bf16 is bf16_instructions and unset.use_cpu is bf16_instructions  # transformers wants use_cpu
+    assert GiGPOConfig(output_dir=str(tmp_path), report_to=[], bf16=False).bf16 is False
     assert cpu_config(tmp_path).bf16 is False
-    assert GiGPOConfig(output_dir=str(tmp_path), report_to=[], env_kwargs='{"num_boxes": 2}').env_kwargs == {"num_boxes": 2}
+
+
+@pytest.mark.skipif(not Path("/proc/cpuinfo").is_file(), reason="reads the CPU's flags from /proc/cpuinfo")
+def test_the_bf16_probe_agrees_with_the_cpus_flags():
+    flags = set(Path("/proc/cpuinfo").read_text().split())
+    assert config_module._cpu_has_bf16_instructions() == bool({"avx512_bf16", "amx_tile"} & flags)
+
+
+def test_env_kwargs_take_a_json_object_string(tmp_path):
+    assert cpu_config(tmp_path, env_kwargs='{"num_boxes": 2}').env_kwargs == {"num_boxes": 2}
 
 
 @pytest.mark.parametrize("loss_type", sorted(set(TRL_LOSS_TYPES) - set(SUPPORTED_LOSS_TYPES)))
