@@ -2,6 +2,7 @@
 
     python bench/cpu_precision.py                                   # the quickstart, seeds 0 and 1 (about 30 min)
     python bench/cpu_precision.py --config CONFIG --seeds 0 1 2 --output outputs/cpu_precision.json
+    python bench/cpu_precision.py --kernels                         # the model's passes alone (about 2 min)
 
 Each run is the recipe's own command (`recipes/train_gigpo.py --config CONFIG --seed S`) in a fresh process, with
 `--bf16 false` (fp32) or `--bf16 true --use_cpu true` (transformers' bf16 autocast on CPU; the weights and the
@@ -10,6 +11,10 @@ reports the training time (the Trainer's `train_runtime`, the held-out evaluatio
 and the held-out success before and after training, as the recipe prints them; then the mean per precision and the
 ratio of training times. The CPU's bf16 support is printed first: bf16 autocast is fast only on CPUs with bf16
 instructions (AVX-512 BF16 or AMX on x86).
+
+`--kernels` answers the same question in minutes on a new machine, without training: the embedded SmolLM2's
+forward+backward pass over 8 x 256 tokens and a greedy generation of 12 tokens after 16 prompts of 200 tokens, in
+fp32 and under bf16 autocast, alternated, `--repeats` times each after one warm-up of each.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -26,6 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RECIPE = ROOT / "recipes" / "train_gigpo.py"
 PRECISIONS = {"fp32": ["--bf16", "false"], "bf16": ["--bf16", "true", "--use_cpu", "true"]}
 PANEL = re.compile(r"Held-out success rate \(\d+ tasks\): ([0-9.]+)% before training -> ([0-9.]+)% after")
+DEFAULT_MODEL = "embedded:SmolLM2-135M-Instruct"
 RUNTIME = re.compile(r"'train_runtime': '([0-9.]+)'")
 
 
@@ -59,6 +66,41 @@ def _config_max_steps(config: str) -> int:
     return int(yaml.safe_load(Path(config).read_text())["max_steps"])
 
 
+def time_kernels(repeats: int, model_name: str = DEFAULT_MODEL) -> dict[str, dict[str, list[float]]]:
+    """Seconds of each pass of the model in each precision, the precisions alternated: {pass: {precision:
+    [seconds, ...]}}."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from gigpo_trl.models import resolve_model
+
+    model = AutoModelForCausalLM.from_pretrained(resolve_model(model_name), dtype=torch.float32)
+    tokens = torch.randint(0, model.config.vocab_size, (16, 256), generator=torch.Generator().manual_seed(0))
+
+    def forward_backward() -> None:  # 8 x 256 tokens
+        model(tokens[:8], labels=tokens[:8]).loss.backward()
+        model.zero_grad()
+
+    def generate() -> None:  # 16 prompts of 200 tokens, 12 new tokens each
+        with torch.no_grad():
+            model.generate(tokens[:, :200], max_new_tokens=12, do_sample=False, pad_token_id=0)
+
+    seconds: dict[str, dict[str, list[float]]] = {}
+    for name, run in (("forward_backward_8x256", forward_backward), ("generate_16x200_plus_12", generate)):
+        seconds[name] = {precision: [] for precision in PRECISIONS}
+        for repeat in range(repeats + 1):  # the first round warms up and is not kept
+            for precision in PRECISIONS:
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+                    started = time.perf_counter()
+                    run()
+                    elapsed = time.perf_counter() - started
+                if repeat:
+                    seconds[name][precision].append(elapsed)
+            if repeat:
+                print(f"{name}: " + ", ".join(f"{p} {seconds[name][p][-1]:.2f} s" for p in PRECISIONS), flush=True)
+    return seconds
+
+
 def summary(runs: list[dict]) -> dict[str, dict[str, float]]:
     """Mean training time, time per iteration and held-out success of each precision, over its runs."""
     by_precision: dict[str, dict[str, float]] = {}
@@ -69,16 +111,15 @@ def summary(runs: list[dict]) -> dict[str, dict[str, float]]:
     return by_precision
 
 
-def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default=str(ROOT / "recipes" / "configs" / "quickstart_cpu.yaml"))
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    parser.add_argument("--max-steps", type=int, default=None, help="override the config's max_steps (a quick check)")
-    parser.add_argument("--output", type=Path, default=ROOT / "outputs" / "cpu_precision.json")
-    args = parser.parse_args(argv)
+def compare_kernels(repeats: int, model_name: str) -> dict:
+    seconds = time_kernels(repeats, model_name)
+    ratios = {name: statistics.median(by["bf16"]) / statistics.median(by["fp32"]) for name, by in seconds.items()}
+    for name, ratio in ratios.items():
+        print(f"{name}: bf16 / fp32 median time {ratio:.2f}x")
+    return {"kernel_seconds": seconds, "bf16_over_fp32_median_time": ratios}
 
-    support = cpu_bf16_support()
-    print(f"CPU bf16 support: {support}", flush=True)
+
+def compare_training(args: argparse.Namespace) -> dict:
     runs = []
     for seed in args.seeds:
         for precision in PRECISIONS:
@@ -93,7 +134,23 @@ def main(argv: list[str] | None = None) -> dict:
               f"{mean['success_before']:.0%} -> {mean['success_after']:.0%}")
     ratio = means["bf16"]["train_runtime_s"] / means["fp32"]["train_runtime_s"]
     print(f"bf16 / fp32 training time: {ratio:.2f}x")
-    result = {"config": args.config, "cpu": support, "runs": runs, "means": means, "bf16_over_fp32_time": ratio}
+    return {"config": args.config, "runs": runs, "means": means, "bf16_over_fp32_time": ratio}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default=str(ROOT / "recipes" / "configs" / "quickstart_cpu.yaml"))
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--max-steps", type=int, default=None, help="override the config's max_steps (a quick check)")
+    parser.add_argument("--output", type=Path, default=ROOT / "outputs" / "cpu_precision.json")
+    parser.add_argument("--kernels", action="store_true", help="time the model's passes alone instead of training")
+    parser.add_argument("--repeats", type=int, default=3, help="with --kernels: timed repetitions of each pass")
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="with --kernels: the model whose passes are timed")
+    args = parser.parse_args(argv)
+
+    support = cpu_bf16_support()
+    print(f"CPU bf16 support: {support}", flush=True)
+    result = {"cpu": support, **(compare_kernels(args.repeats, args.model) if args.kernels else compare_training(args))}
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(result, indent=2))
     return result

@@ -1,8 +1,9 @@
-"""The benchmarks of bench/: the tabular policy gradient and the rooms labels the learning diagnostics rely on, and the
-iteration timing of bench_rollout."""
+"""The benchmarks of bench/: the tabular policy gradient and the rooms labels the learning diagnostics rely on, the
+iteration timing of bench_rollout, and cpu_precision's pass timings."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -165,3 +166,19 @@ def test_the_decision_is_the_pre_registered_criterion():
     assert decision(rows([0.6, 0.5, 0.7], [0.4, 0.4, 0.6])) == "decided: GiGPO above GRPO (omega=0) on every seed (3)"
     assert decision(rows([0.3, 0.3, 0.3], [0.4, 0.5, 0.6])).startswith("decided: GRPO (omega=0) above GiGPO")
     assert decision(rows([0.6, 0.4, 0.7], [0.4, 0.4, 0.6])).startswith("undecided")  # a tie on one seed
+
+
+def test_cpu_precision_kernels_time_every_pass_in_both_precisions(tiny_model_path, tmp_path):
+    from bench.cpu_precision import main
+
+    output = tmp_path / "kernels.json"
+    result = main(["--kernels", "--repeats", "2", "--model", tiny_model_path, "--output", str(output)])
+
+    assert set(result["kernel_seconds"]) == {"forward_backward_8x256", "generate_16x200_plus_12"}
+    for by_precision in result["kernel_seconds"].values():
+        assert set(by_precision) == {"fp32", "bf16"}
+        assert all(len(seconds) == 2 and min(seconds) > 0 for seconds in by_precision.values())  # the warm-up not kept
+    for name, ratio in result["bf16_over_fp32_median_time"].items():
+        seconds = result["kernel_seconds"][name]
+        assert ratio == pytest.approx(sum(seconds["bf16"]) / sum(seconds["fp32"]))  # the median of two is their mean
+    assert json.loads(output.read_text()) == result and "avx512_bf16" in result["cpu"]
