@@ -2,7 +2,7 @@
 
     python bench/cpu_precision.py                                   # the quickstart, seeds 0 and 1 (about 30 min)
     python bench/cpu_precision.py --config CONFIG --seeds 0 1 2 --output outputs/cpu_precision.json
-    python bench/cpu_precision.py --kernels                         # the model's passes alone (about 2 min)
+    python bench/cpu_precision.py --kernels                         # the model's passes alone (about 2.5 min)
 
 Each run is the recipe's own command (`recipes/train_gigpo.py --config CONFIG --seed S`) in a fresh process, with
 `--bf16 false` (fp32) or `--bf16 true --use_cpu true` (transformers' bf16 autocast on CPU; the weights and the
@@ -26,14 +26,15 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPE = ROOT / "recipes" / "train_gigpo.py"
 PRECISIONS = {"fp32": ["--bf16", "false"], "bf16": ["--bf16", "true", "--use_cpu", "true"]}
 PANEL = re.compile(r"Held-out success rate \(\d+ tasks\): ([0-9.]+)% before training -> ([0-9.]+)% after")
-DEFAULT_MODEL = "embedded:SmolLM2-135M-Instruct"
 RUNTIME = re.compile(r"'train_runtime': '([0-9.]+)'")
+DEFAULT_MODEL = "embedded:SmolLM2-135M-Instruct"  # the model --kernels times
 
 
 def cpu_bf16_support() -> dict[str, bool | str]:
@@ -85,19 +86,21 @@ def time_kernels(repeats: int, model_name: str = DEFAULT_MODEL) -> dict[str, dic
         with torch.no_grad():
             model.generate(tokens[:, :200], max_new_tokens=12, do_sample=False, pad_token_id=0)
 
+    def timed(run: Callable[[], None], precision: str) -> float:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+            started = time.perf_counter()
+            run()
+            return time.perf_counter() - started
+
     seconds: dict[str, dict[str, list[float]]] = {}
     for name, run in (("forward_backward_8x256", forward_backward), ("generate_16x200_plus_12", generate)):
         seconds[name] = {precision: [] for precision in PRECISIONS}
-        for repeat in range(repeats + 1):  # the first round warms up and is not kept
+        for precision in PRECISIONS:  # one warm-up of each, not kept
+            timed(run, precision)
+        for _ in range(repeats):
             for precision in PRECISIONS:
-                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
-                    started = time.perf_counter()
-                    run()
-                    elapsed = time.perf_counter() - started
-                if repeat:
-                    seconds[name][precision].append(elapsed)
-            if repeat:
-                print(f"{name}: " + ", ".join(f"{p} {seconds[name][p][-1]:.2f} s" for p in PRECISIONS), flush=True)
+                seconds[name][precision].append(timed(run, precision))
+            print(f"{name}: " + ", ".join(f"{p} {seconds[name][p][-1]:.2f} s" for p in PRECISIONS), flush=True)
     return seconds
 
 
@@ -147,6 +150,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeats", type=int, default=3, help="with --kernels: timed repetitions of each pass")
     parser.add_argument("--model", default=DEFAULT_MODEL, help="with --kernels: the model whose passes are timed")
     args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {args.repeats}")
 
     support = cpu_bf16_support()
     print(f"CPU bf16 support: {support}", flush=True)
