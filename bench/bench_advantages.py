@@ -4,7 +4,8 @@
     python bench/bench_advantages.py --quick    # smaller, for a smoke test
 
 1. Exact grouping: 6,400 rows (16 groups x 8 trajectories x 50 steps) and 100,000 rows, anchors
-   repeating as in real play, vs `naive_gigpo_advantages` (per-row Python loops over dicts).
+   repeating as in real play, vs `naive_gigpo_advantages` (per-row Python loops over dicts); and the
+   bootstrapped step value (`step_lambda=0.5`, GIGPO_SPEC.md section 9) beside the paper's (`step_lambda=1`).
 2. Similarity grouping on text anchors vs a greedy `difflib.SequenceMatcher` baseline, with a
    check that both give the same clusters.
 
@@ -33,9 +34,10 @@ from gigpo_trl.advantages import EPSILON, anchor_step_groups, compute_gigpo_adva
 
 def naive_gigpo_advantages(
     rewards, group_ids, trajectory_ids, step_indices, anchor_keys, invalid=None, *,
-    gamma=0.95, step_weight=1.0, norm="mean_std", episode_stats="steps", invalid_penalty=0.1,
+    gamma=0.95, step_weight=1.0, norm="mean_std", episode_stats="steps", invalid_penalty=0.1, step_lambda=1.0,
 ):
-    """Per-row Python version of the exact path; returns (advantages, episode, step, sizes) lists."""
+    """Per-row Python version of the exact path (with section 9's bootstrapped step value when `step_lambda` < 1);
+    returns (advantages, episode, step, sizes) lists."""
     n = len(rewards)
     invalid = invalid if invalid is not None else [False] * n
     rows_of_trajectory = defaultdict(list)
@@ -51,8 +53,26 @@ def naive_gigpo_advantages(
         total = sum(rewards[i] for i in rows)
         for i in rows:
             episode_return[i] = total
+    # Section 9: V(k) = the mean G of the rows of the group in state k; Gl_t = r_t + gamma * ((1 - lambda) * V(k_{t+1})
+    # + lambda * Gl_{t+1}), Gl = r on a trajectory's last row.
+    returns_of_state = defaultdict(list)
+    for i in range(n):
+        returns_of_state[(group_ids[i], anchor_keys[i])].append(returns_to_go[i])
+    state_value = {key: sum(values) / len(values) for key, values in returns_of_state.items()}
+    lambda_returns = list(returns_to_go)
+    if step_lambda != 1.0:
+        for rows in rows_of_trajectory.values():
+            for position in reversed(range(len(rows))):
+                i = rows[position]
+                if position == len(rows) - 1:
+                    lambda_returns[i] = rewards[i]
+                else:
+                    following = rows[position + 1]
+                    bootstrap = state_value[(group_ids[following], anchor_keys[following])]
+                    lambda_returns[i] = rewards[i] + gamma * ((1 - step_lambda) * bootstrap
+                                                              + step_lambda * lambda_returns[following])
     score = [episode_return[i] - invalid_penalty * invalid[i] for i in range(n)]
-    value = [returns_to_go[i] - invalid_penalty * invalid[i] for i in range(n)]
+    value = [lambda_returns[i] - invalid_penalty * invalid[i] for i in range(n)]
 
     def norm_of(x, sample):
         # Equal values: their mean is that value (sum/len would add rounding noise).
@@ -191,19 +211,23 @@ def median_seconds(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def bench_exact(rows: dict, repeats: int, naive_repeats: int) -> tuple[float, float]:
+def bench_exact(rows: dict, repeats: int, naive_repeats: int, step_lambda: float = 0.5) -> tuple[float, float]:
     columns = [rows[k] for k in ("rewards", "group_ids", "trajectory_ids", "step_indices", "anchor_keys", "invalid")]
     lists = [c.tolist() for c in columns]
-    fast = compute_gigpo_advantages(*columns)
-    slow = naive_gigpo_advantages(*lists)
-    np.testing.assert_allclose(fast.advantages, slow[0], rtol=1e-9, atol=1e-9)
-    np.testing.assert_array_equal(fast.step_group_sizes, slow[3])
+    for lam in (1.0, step_lambda):
+        fast = compute_gigpo_advantages(*columns, step_lambda=lam)
+        slow = naive_gigpo_advantages(*lists, step_lambda=lam)
+        np.testing.assert_allclose(fast.advantages, slow[0], rtol=1e-9, atol=1e-9)
+        np.testing.assert_array_equal(fast.step_group_sizes, slow[3])
     t_fast = median_seconds(lambda: compute_gigpo_advantages(*columns), repeats)
     t_lists = median_seconds(lambda: compute_gigpo_advantages(*lists), repeats)
+    t_lambda = median_seconds(lambda: compute_gigpo_advantages(*columns, step_lambda=step_lambda), repeats)
     t_naive = median_seconds(lambda: naive_gigpo_advantages(*lists), naive_repeats)
     print(f"  {len(columns[0]):>7,} rows  engine {t_fast * 1e3:7.2f} ms (numpy input), {t_lists * 1e3:7.2f} ms (list input)"
           f"   naive Python {t_naive * 1e3:8.1f} ms   ratio {t_naive / t_fast:5.0f}x / {t_naive / t_lists:4.0f}x"
           f"   singleton share {fast.stats.singleton_share:.2f}")
+    print(f"           step_lambda {step_lambda}: {t_lambda * 1e3:7.2f} ms (numpy input), {t_lambda / t_fast:.2f}x "
+          "the paper's step value (step_lambda 1)")
     return max(t_fast, t_lists), t_naive
 
 

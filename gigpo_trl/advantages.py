@@ -9,6 +9,13 @@ Group-in-Group Policy Optimization (arXiv 2505.10978), as defined in GIGPO_SPEC.
     A_S   = norm(v_t; {v of rows of g with the same anchor})   step advantage (0 for singletons)
     A     = A_E + omega * A_S
 
+With `step_lambda` < 1 (section 9, beyond the paper), the step value bootstraps from the states a trajectory
+reaches, valued by the group itself:
+
+    V(k)  = mean of G_j over the rows j of g whose anchor is k     (the mean of k's step group)
+    Gl_t  = r_t + gamma * ((1 - lambda) * V(k_{t+1}) + lambda * Gl_{t+1}),   Gl_{T-1} = r_{T-1}
+    v_t   = Gl_t - p * invalid_t                        (lambda = 1: Gl = G, section 3 exactly)
+
     norm(x; S) = (x - mean(S)) / (std(S) + 1e-6)        "mean_std" (std with Bessel's correction)
                =  x - mean(S)                           "mean"
 
@@ -20,6 +27,7 @@ order fixed by the data itself (step order within a trajectory, value order with
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, fields
 
@@ -106,17 +114,29 @@ class GiGPOAdvantages:
 # --------------------------------------------------------------------------------------------
 
 
-def discounted_returns(rewards: np.ndarray, steps_to_go: np.ndarray, gamma: float) -> np.ndarray:
-    """Return-to-go `G_t = r_t + gamma * G_{t+1}` with `G_T = 0`, for all trajectories at once.
+def discounted_returns(
+    rewards: np.ndarray,
+    steps_to_go: np.ndarray,
+    gamma: float,
+    lam: float = 1.0,
+    next_values: np.ndarray | None = None,
+) -> np.ndarray:
+    """Lambda-return `Gl_t = r_t + gamma * ((1 - lam) * V_{t+1} + lam * Gl_{t+1})`, `Gl_{T-1} = r_{T-1}`, for all
+    trajectories at once. With `lam = 1` (the default) it is the return-to-go `G_t = r_t + gamma * G_{t+1}`, `G_T = 0`.
 
     Args:
         rewards: float [n], rows laid out trajectory after trajectory, each in step order.
         steps_to_go: int [n], `T - 1 - t`: how many rows follow the row in its trajectory.
         gamma: discount factor.
+        lam: lambda in [0, 1], the weight of the trajectory's own continuation against the bootstrap.
+        next_values: float [n], `V_{t+1}`: the value of the state the row's action led to (read only for rows that
+            have a next row); None (only with `lam = 1`): no bootstrap.
 
     Returns:
-        float64 [n]: `G_t` of every row.
+        float64 [n]: `Gl_t` of every row.
     """
+    if next_values is None and lam != 1.0:
+        raise ValueError(f"a lambda-return with lambda {lam} bootstraps: next_values are needed")
     returns = np.array(rewards, dtype=np.float64)
     if returns.size == 0:
         return returns
@@ -125,7 +145,10 @@ def discounted_returns(rewards: np.ndarray, steps_to_go: np.ndarray, gamma: floa
     bounds = np.searchsorted(steps_to_go[by_steps_to_go], np.arange(int(steps_to_go.max()) + 2))
     for k in range(1, len(bounds) - 1):
         rows = by_steps_to_go[bounds[k] : bounds[k + 1]]
-        returns[rows] += gamma * returns[rows + 1]
+        if next_values is None:
+            returns[rows] += gamma * returns[rows + 1]
+        else:
+            returns[rows] += gamma * ((1.0 - lam) * next_values[rows] + lam * returns[rows + 1])
     return returns
 
 
@@ -254,6 +277,7 @@ def compute_gigpo_advantages(
     episode_stats: str = "steps",
     invalid_penalty: float = 0.1,
     similarity_threshold: float | None = None,
+    step_lambda: float = 1.0,
 ) -> GiGPOAdvantages:
     """GiGPO advantages of n step rows (GIGPO_SPEC.md sections 2-5).
 
@@ -275,6 +299,10 @@ def compute_gigpo_advantages(
         invalid_penalty: p, subtracted from the score and the step value of invalid rows.
         similarity_threshold: None for exact anchor grouping; else text anchors of one group share
             a step group when similar enough (see `anchor_step_groups`).
+        step_lambda: lambda in [0, 1] of the bootstrapped step value (GIGPO_SPEC.md section 9): 1 (the paper) ranks
+            the rows of a step group by their own return-to-go; below 1 the return bootstraps from the value the
+            group gives the states each trajectory reaches (the mean return-to-go of their step groups), so a move of
+            a losing episode into a state from which other copies won gets credit. A_E does not change.
 
     Returns:
         `GiGPOAdvantages` with float64 [n] `advantages`, `episode_advantages`, `step_advantages`,
@@ -286,7 +314,7 @@ def compute_gigpo_advantages(
             unhashable or missing (None/NaN) keys, unknown modes, out-of-range parameters, or
             non-text anchors with similarity grouping.
     """
-    _check_options(gamma, step_weight, norm, episode_stats, invalid_penalty, similarity_threshold)
+    _check_options(gamma, step_weight, norm, episode_stats, invalid_penalty, similarity_threshold, step_lambda)
     rewards, steps, invalid = _check_row_arrays(rewards, group_ids, trajectory_ids, step_indices, anchor_keys, invalid)
     n = rewards.size
     if n == 0:
@@ -302,12 +330,11 @@ def compute_gigpo_advantages(
     steps_to_go = _check_trajectories(trajectory, step, group, order, trajectory_ids, group_ids)
     reward, penalty = rewards[order], invalid_penalty * invalid[order]
 
-    # Section 2: returns, episode scores s_t and step values v_t.
+    # Section 2: returns and episode scores s_t.
     returns_to_go = discounted_returns(reward, steps_to_go, gamma)  # G_t
     # R = sum_t r_t, summed in step order over each trajectory's contiguous rows (codes are 0, 1, ... in layout order).
     episode_return = np.add.reduceat(reward, np.flatnonzero(step == 0))[trajectory]
     episode_scores = episode_return - penalty  # s_t = R - p * invalid_t
-    step_values = returns_to_go - penalty  # v_t = G_t - p * invalid_t
 
     # Section 3: episode advantage A_E over the task group.
     num_groups = int(group.max()) + 1
@@ -326,6 +353,14 @@ def compute_gigpo_advantages(
     # Section 3: step advantage A_S over the rows of the group that share an anchor state.
     step_group = _anchor_step_groups(group_codes, anchor_keys, steps, similarity_threshold)[order]
     num_step_groups = int(step_group.max()) + 1
+    step_returns = returns_to_go  # lambda = 1: the row's own return-to-go, section 3
+    if step_lambda < 1.0:
+        # Section 9: V(k) = the mean G of k's step group; the layout's next row is the trajectory's next step, so
+        # V(k_{t+1}) is the value of the next row's step group (not read for a trajectory's last row).
+        state_values, _, _ = group_mean_std(returns_to_go, step_group, num_step_groups)
+        next_values = np.append(state_values[step_group][1:], 0.0)
+        step_returns = discounted_returns(reward, steps_to_go, gamma, step_lambda, next_values)  # Gl_t
+    step_values = step_returns - penalty  # v_t = Gl_t - p * invalid_t
     mean, std, step_group_size = group_mean_std(step_values, step_group, num_step_groups)
     step_advantages = normalize(step_values, mean[step_group], std[step_group], norm)
     step_advantages[step_group_size[step_group] == 1] = 0.0  # singleton step groups get 0 exactly
@@ -489,6 +524,7 @@ def _check_options(
     episode_stats: str,
     invalid_penalty: float,
     similarity_threshold: float | None,
+    step_lambda: float,
 ) -> None:
     if norm not in NORM_MODES:
         raise ValueError(f"unknown norm {norm!r}; expected one of {NORM_MODES}")
@@ -502,6 +538,8 @@ def _check_options(
         raise ValueError(f"invalid_penalty must be a finite number >= 0, got {invalid_penalty!r}")
     if similarity_threshold is not None and not 0.0 < similarity_threshold <= 1.0:
         raise ValueError(f"similarity_threshold must be None or in (0, 1], got {similarity_threshold!r}")
+    if not (isinstance(step_lambda, numbers.Real) and 0.0 <= step_lambda <= 1.0):
+        raise ValueError(f"step_lambda must be a number in [0, 1], got {step_lambda!r}")
 
 
 def _check_row_arrays(

@@ -80,6 +80,16 @@ class GiGPOConfig(GRPOConfig):
                   "text anchors whose similarity ratio reaches it share a step group (e.g. 0.95)."},
     )
 
+    step_advantage_lambda: float = field(
+        default=1.0,
+        metadata={"help": "lambda of the step value (in [0, 1]; an extension beyond the paper, GIGPO_SPEC.md section 9). "
+                  "1 (the paper): a step is valued by its own discounted return-to-go G_t. Below 1 the return "
+                  "bootstraps from the states the trajectory reaches, each valued by the group (the mean G_t of its "
+                  "step group): Gl_t = r_t + gamma * ((1 - lambda) * V(next state) + lambda * Gl_{t+1}), so a move of "
+                  "a losing episode into a state from which other copies won ranks above one into a dead end. "
+                  "0 ranks a state's moves by the value of the state each leads to."},
+    )
+
     # Environment and rollout
     env_name: str = field(
         default="sokoban",
@@ -176,6 +186,8 @@ class GiGPOConfig(GRPOConfig):
             problems.append(f"invalid_action_penalty={self.invalid_action_penalty} must be >= 0")
         if self.similarity_threshold is not None and not 0.0 < self.similarity_threshold <= 1.0:
             problems.append(f"similarity_threshold={self.similarity_threshold} must be None or in (0, 1]")
+        if not 0.0 <= self.step_advantage_lambda <= 1.0:  # NaN fails too
+            problems.append(f"step_advantage_lambda={self.step_advantage_lambda} must be a number in [0, 1]")
         if self.max_env_steps < 1:
             problems.append(f"max_env_steps={self.max_env_steps} must be >= 1")
         if self.log_trajectories < 0:

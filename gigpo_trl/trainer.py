@@ -228,6 +228,7 @@ class GiGPOTrainer(GRPOTrainer):
             episode_stats=self.args.episode_stats,
             invalid_penalty=self.args.invalid_action_penalty,
             similarity_threshold=self.args.similarity_threshold,
+            step_lambda=self.args.step_advantage_lambda,
         )
         advantage_seconds = time.perf_counter() - started
 

@@ -36,6 +36,16 @@ OPTIONS = st.fixed_dictionaries(
         "invalid_penalty": st.sampled_from([0.0, 0.1, 1.0]),
     }
 )
+LAMBDA_OPTIONS = OPTIONS.flatmap(
+    lambda options: st.sampled_from([0.0, 0.3, 0.9, 1.0]).map(lambda lam: {**options, "step_lambda": lam}))
+# Section 9's worked example: one group, three trajectories; A wins, B and C lose, C loops in s5.
+WORKED_LAMBDA = dict(
+    rewards=[0, 0, 1, 0, 0, 0, 0, 0, 0],
+    group_ids=[0] * 9,
+    trajectory_ids=list("AAABBBCCC"),
+    step_indices=[0, 1, 2] * 3,
+    anchor_keys=["s0", "s1", "s2", "s0", "s1", "s3", "s0", "s5", "s5"],
+)
 
 
 def columns(rows: list[dict]) -> dict:
@@ -238,6 +248,115 @@ def test_similarity_visits_anchors_in_first_step_order():
 
 
 # --------------------------------------------------------------------------------------------
+# Bootstrapped step values (section 9).
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("step_lambda", "table"),
+    [
+        (1.0, [0.6017, 0.475, 0, -0.3008, -0.475, 0, -0.3008, 0, 0]),
+        (0.0, [0.1504, 0.475, 0, 0.1504, -0.475, 0, -0.3008, 0, 0]),
+        (0.5, [0.3760, 0.475, 0, -0.0752, -0.475, 0, -0.3008, 0, 0]),
+    ],
+)
+def test_bootstrapped_worked_example_matches_the_spec_table(step_lambda, table):
+    out = compute_gigpo_advantages(**WORKED_LAMBDA, norm="mean", step_lambda=step_lambda)
+
+    np.testing.assert_array_equal(np.round(out.step_advantages, 4), table)
+    # The exact values, by the recursion: V(s1) = 0.95 / 2, V(s2) = 1, V(s3) = V(s5) = 0; B and C never earn a reward.
+    lam, v_s1, v_s2 = step_lambda, 0.95 / 2, 1.0
+    a1 = 0.95 * ((1 - lam) * v_s2 + lam * 1.0)
+    s0 = np.array([0.95 * ((1 - lam) * v_s1 + lam * a1), 0.95 * (1 - lam) * v_s1, 0.0])  # A0, B0, C0
+    np.testing.assert_allclose(out.step_advantages[[0, 3, 6]], s0 - s0.mean(), rtol=1e-12)
+    # A_E does not depend on lambda.
+    np.testing.assert_array_equal(out.episode_advantages,
+                                  compute_gigpo_advantages(**WORKED_LAMBDA, norm="mean").episode_advantages)
+
+
+def test_a_revisited_state_bootstraps_from_the_value_of_all_its_visits():
+    # A: s0 -> s1 -> s0 -> s2 and wins at its 4th step; B: s0 -> s3 and loses. gamma 0.5.
+    # G: A 0.125, 0.25, 0.5, 1; B 0, 0. V(s0) = (0.125 + 0.5 + 0) / 3, V(s1) = 0.25, V(s2) = 1, V(s3) = 0.
+    out = compute_gigpo_advantages(
+        rewards=[0, 0, 0, 1, 0, 0], group_ids=[0] * 6, trajectory_ids=list("AAAABB"), step_indices=[0, 1, 2, 3, 0, 1],
+        anchor_keys=["s0", "s1", "s0", "s2", "s0", "s3"], gamma=0.5, norm="mean", step_lambda=0.5)
+
+    v_s0, v_s1, v_s2, v_s3 = 0.625 / 3, 0.25, 1.0, 0.0
+    a3 = 1.0
+    a2 = 0.5 * (0.5 * v_s2 + 0.5 * a3)
+    a1 = 0.5 * (0.5 * v_s0 + 0.5 * a2)  # A's move out of s1 leads back into s0: valued over all three visits
+    a0 = 0.5 * (0.5 * v_s1 + 0.5 * a1)
+    b0 = 0.5 * (0.5 * v_s3 + 0.5 * 0.0)
+    s0 = np.array([a0, a2, b0])
+    np.testing.assert_allclose(out.step_advantages[[0, 2, 4]], s0 - s0.mean(), rtol=1e-12)
+    assert out.step_advantages[1] == out.step_advantages[3] == out.step_advantages[5] == 0.0  # singletons
+
+
+def test_the_lambda_return_at_lambda_1_is_the_return_to_go_exactly():
+    rng = np.random.default_rng(0)
+    rewards, steps_to_go = rng.normal(size=40), np.concatenate([np.arange(9, -1, -1)] * 4)
+    next_values = rng.normal(size=40) * 1e3
+
+    np.testing.assert_array_equal(discounted_returns(rewards, steps_to_go, 0.9, 1.0, next_values),
+                                  discounted_returns(rewards, steps_to_go, 0.9))
+    with pytest.raises(ValueError, match="next_values are needed"):
+        discounted_returns(rewards, steps_to_go, 0.9, 0.5)
+
+
+@settings(max_examples=150, deadline=None)
+@given(rows=step_rows(), options=OPTIONS, seed=st.integers(0, 2**32 - 1))
+def test_lambda_1_gives_the_papers_advantages_exactly_on_shuffled_rows(rows, options, seed):
+    permutation = np.random.default_rng(seed).permutation(len(rows))
+
+    paper = compute_gigpo_advantages(**columns(rows), **options)
+    with_lambda = compute_gigpo_advantages(**columns([rows[i] for i in permutation]), **options, step_lambda=1.0)
+
+    for name in ("advantages", "episode_advantages", "step_advantages", "step_group_sizes"):
+        np.testing.assert_array_equal(getattr(paper, name)[permutation], getattr(with_lambda, name), err_msg=name)
+    assert paper.stats == with_lambda.stats
+
+
+@settings(max_examples=150, deadline=None)
+@given(rows=step_rows(), options=LAMBDA_OPTIONS, seed=st.integers(0, 2**32 - 1))
+def test_bootstrapped_advantages_do_not_depend_on_row_order(rows, options, seed):
+    permutation = np.random.default_rng(seed).permutation(len(rows))
+
+    out = compute_gigpo_advantages(**columns(rows), **options)
+    out_shuffled = compute_gigpo_advantages(**columns([rows[i] for i in permutation]), **options)
+
+    for name in ("advantages", "episode_advantages", "step_advantages", "step_group_sizes"):
+        np.testing.assert_array_equal(getattr(out, name)[permutation], getattr(out_shuffled, name), err_msg=name)
+    assert out.stats == out_shuffled.stats
+
+
+@settings(max_examples=100, deadline=None)
+@given(rows=step_rows(), options=LAMBDA_OPTIONS)
+def test_bootstrapped_advantages_match_the_per_row_python_reference(rows, options):
+    out = compute_gigpo_advantages(**columns(rows), **options)
+    naive = naive_gigpo_advantages(**columns(rows), **options)
+
+    np.testing.assert_allclose(out.advantages, naive[0], rtol=1e-9, atol=1e-9)
+    np.testing.assert_allclose(out.step_advantages, naive[2], rtol=1e-9, atol=1e-9)
+    np.testing.assert_array_equal(out.episode_advantages, compute_gigpo_advantages(
+        **columns(rows), **(options | {"step_lambda": 1.0})).episode_advantages)
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=step_rows(text_anchors=True), step_lambda=st.sampled_from([0.0, 0.5]))
+def test_with_similarity_grouping_a_state_is_its_cluster(rows, step_lambda):
+    # Anchors differ in a trailing detail; at 0.9 the rooms' texts cluster into one state per room.
+    for row in rows:
+        row["anchor"] += f" Turn {row['step']}."
+    data = columns(rows)
+    clusters = anchor_step_groups(data["group_ids"], data["anchor_keys"], data["step_indices"], similarity_threshold=0.9)
+
+    similar = compute_gigpo_advantages(**data, similarity_threshold=0.9, step_lambda=step_lambda)
+    exact_on_clusters = compute_gigpo_advantages(**(data | {"anchor_keys": clusters.tolist()}), step_lambda=step_lambda)
+
+    np.testing.assert_array_equal(similar.advantages, exact_on_clusters.advantages)
+
+
+# --------------------------------------------------------------------------------------------
 # Properties over random batches.
 # --------------------------------------------------------------------------------------------
 
@@ -362,6 +481,10 @@ def with_changes(**changes) -> dict:
         (with_changes(similarity_threshold=0.0), r"similarity_threshold must be None or in \(0, 1\]"),
         (with_changes(anchor_keys=[0, 1, 2, 0, 1, 3], similarity_threshold=0.9), "similarity_threshold needs text anchors"),
         (with_changes(rewards=5), "rewards must be a sequence"),
+        (with_changes(step_lambda=1.5), r"step_lambda must be a number in \[0, 1\], got 1.5"),
+        (with_changes(step_lambda=-0.1), r"step_lambda must be a number in \[0, 1\], got -0.1"),
+        (with_changes(step_lambda=float("nan")), r"step_lambda must be a number in \[0, 1\], got nan"),
+        (with_changes(step_lambda="0.5"), r"step_lambda must be a number in \[0, 1\], got '0.5'"),
     ],
 )
 def test_bad_input_raises_a_value_error_naming_the_problem(kwargs, message):

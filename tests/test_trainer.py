@@ -49,9 +49,10 @@ def test_a_short_run_changes_the_weights_and_logs_the_metrics(tmp_path, tiny_mod
     trainer.close_environments()
 
 
-def test_scripted_rollout_gives_the_hand_computed_step_rows_and_advantages(tmp_path, tiny_model_path):
+@pytest.mark.parametrize("step_lambda", [1.0, 0.0])
+def test_scripted_rollout_gives_the_hand_computed_step_rows_and_advantages(tmp_path, tiny_model_path, step_lambda):
     config = cpu_config(tmp_path, env_name="corridor", per_device_train_batch_size=2, steps_per_generation=1,
-                        gradient_accumulation_steps=1, max_env_steps=6)
+                        gradient_accumulation_steps=1, max_env_steps=6, step_advantage_lambda=step_lambda)
     trainer = ScriptedTrainer(tiny_model_path, args=config, train_dataset=task_dataset([1]))  # corridor of 4 cells
     trainer.model.train()  # as during Trainer.train(): the training path
     rows = [trainer.train_dataset[0]] * 2
@@ -76,10 +77,12 @@ def test_scripted_rollout_gives_the_hand_computed_step_rows_and_advantages(tmp_p
     assert steps.action == ["right", "left", "right", "right", "right", "right", "right"]
     assert [(e.length, e.won, e.truncated) for e in trainer.last_rollout.episodes] == [(3, True, False), (4, True, False)]
 
-    by_hand = compute_gigpo_advantages(group_ids=[0] * 7, **expected)
+    by_hand = compute_gigpo_advantages(group_ids=[0] * 7, **expected, step_lambda=step_lambda)
     assert batch["advantages"].shape == (7,)  # one process, steps_per_generation 1: no padding rows
     np.testing.assert_array_equal(batch["advantages"].numpy(), by_hand.advantages.astype(np.float32))
     assert (by_hand.step_advantages != 0).any()  # the check is not vacuous
+    other_lambda = compute_gigpo_advantages(group_ids=[0] * 7, **expected, step_lambda=1.0 - step_lambda)
+    assert not np.array_equal(by_hand.advantages, other_lambda.advantages)  # nor is the setting
     decoded = trainer.processing_class.batch_decode(batch["completion_ids"][2], skip_special_tokens=True)
     assert "".join(decoded) == "I go right"
     assert torch.equal(batch["tool_mask"].sum(1) > 0, torch.ones(7, dtype=torch.bool))
