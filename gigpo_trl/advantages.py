@@ -190,6 +190,26 @@ def normalize(values: np.ndarray, mean: np.ndarray, std: np.ndarray, norm: str) 
     return centered / (std + EPSILON) if norm == "mean_std" else centered
 
 
+def step_group_advantages(
+    step_values: np.ndarray, step_group: np.ndarray, num_step_groups: int, norm: str
+) -> tuple[np.ndarray, np.ndarray]:
+    """Step advantage `A_S = norm(v_t; values v of the row's step group)`, 0 exactly for singleton step groups.
+
+    Args:
+        step_values: float [n], `v_t`.
+        step_group: int [n] in `[0, num_step_groups)`, the row's step group.
+        num_step_groups: number of step groups.
+        norm: "mean_std" or "mean".
+
+    Returns:
+        `(A_S, sizes)`: float64 [n], and int64 [num_step_groups] the number of rows of each step group.
+    """
+    mean, std, sizes = group_mean_std(step_values, step_group, num_step_groups)
+    step_advantages = normalize(step_values, mean[step_group], std[step_group], norm)
+    step_advantages[sizes[step_group] == 1] = 0.0  # singleton step groups get 0 exactly
+    return step_advantages, sizes
+
+
 def greedy_similarity_clusters(texts: Sequence[str], threshold: float) -> np.ndarray:
     """Greedy clustering of texts, in the given order: each text joins the first existing cluster
     whose first member (its seed) is similar enough, else it starts a new cluster.
@@ -361,9 +381,7 @@ def compute_gigpo_advantages(
         next_values = np.append(state_values[step_group][1:], 0.0)
         step_returns = discounted_returns(reward, steps_to_go, gamma, step_lambda, next_values)  # Gl_t
     step_values = step_returns - penalty  # v_t = Gl_t - p * invalid_t
-    mean, std, step_group_size = group_mean_std(step_values, step_group, num_step_groups)
-    step_advantages = normalize(step_values, mean[step_group], std[step_group], norm)
-    step_advantages[step_group_size[step_group] == 1] = 0.0  # singleton step groups get 0 exactly
+    step_advantages, step_group_size = step_group_advantages(step_values, step_group, num_step_groups, norm)
 
     advantages = episode_advantages + step_weight * step_advantages
     # Reductions over sorted values, so the logged numbers do not depend on row order either.
