@@ -7,11 +7,15 @@
     python bench/learning.py --parallel --detach --config C --model M --output O   # 6 runs at once, in the background
     python bench/learning.py --analyze-only --output O                       # collect them (cut-off runs too)
     python bench/learning.py --screen C1 C2 ... --model M                    # choose a setting: the base model's numbers
+    python bench/learning.py --step-lambda 0.5 ...                           # a third arm: GiGPO at lambda 0.5
 
 Each (method, seed) run is `recipes/train_gigpo.py --config CONFIG --step_advantage_weight {1, 0} --seed S`, so
-both methods share every other setting. Per-rollout success rate and return (training rollouts and held-out
+both methods share every other setting; `--step-lambda L` adds a third method, GiGPO with the bootstrapped step value
+(`--step_advantage_weight 1 --step_advantage_lambda L`, GIGPO_SPEC.md section 9), compared with both. Per-rollout success rate and return (training rollouts and held-out
 evaluations) are read from each run's records and written to OUTPUT/learning_curves.csv, with a plot of the mean
-and the spread (min-max over seeds) per method in OUTPUT/learning_curves.png and a summary in OUTPUT/summary.json.
+and the spread (min-max over seeds) per method in OUTPUT/learning_curves.png and a summary in OUTPUT/summary.json
+(final success and episode length per method, each method against step-wise GRPO and the lambda arm against GiGPO,
+and per seed the first iteration at which training success reaches 0.5 and 0.8).
 
 Without --model, the policy is a tiny transformer built locally (gigpo_trl.models.build_tiny_model) and given a
 short supervised warm-up on the answer FORMAT only: for prompts of random states, the target is
@@ -46,6 +50,7 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -54,7 +59,38 @@ from gigpo_trl.records import read_iterations, read_trajectories
 
 ROOT = Path(__file__).resolve().parent.parent
 EMBEDDED = "embedded:SmolLM2-135M-Instruct"
-METHODS = {"GiGPO": 1.0, "GRPO (omega=0)": 0.0}
+PAPER, BASELINE = "GiGPO", "GRPO (omega=0)"
+SUCCESS_TARGETS = (0.5, 0.8)  # training success (trailing mean of 5) whose first iteration is reported per seed
+
+
+def methods(step_lambda: float | None = None) -> dict[str, list[str]]:
+    """The compared methods and the recipe arguments that make each: GiGPO (omega 1, the paper's step value),
+    step-wise GRPO (omega 0) and, with `step_lambda`, GiGPO with the bootstrapped step value of GIGPO_SPEC.md
+    section 9 (`--step_advantage_lambda`)."""
+    result = {PAPER: ["--step_advantage_weight", "1"], BASELINE: ["--step_advantage_weight", "0"]}
+    if step_lambda is not None:
+        result[f"GiGPO lambda {step_lambda:g}"] = ["--step_advantage_weight", "1", "--step_advantage_lambda",
+                                                 f"{step_lambda:g}"]
+    return result
+
+
+def run_directory(output: Path, method: str, seed: int) -> Path:
+    """gigpo-seed0, grpo-seed0, gigpo-lambda0.5-seed0."""
+    name = {PAPER: "gigpo", BASELINE: "grpo"}.get(method) or "gigpo-lambda" + method.rsplit(" ", 1)[1]
+    return output / f"{name}-seed{seed}"
+
+
+def run_log(output_dir: Path) -> Path:
+    """A run's output, beside its folder: gigpo-lambda0.5-seed0.log (not with_suffix, which reads ".5-seed0" as one)."""
+    return output_dir.parent / f"{output_dir.name}.log"
+
+
+def lambda_of_runs(output: Path) -> float | None:
+    """The lambda of the bootstrapped arm whose runs are in `output` (from their directories' names), or None."""
+    found = {float(path.name.split("-")[1].removeprefix("lambda")) for path in output.glob("gigpo-lambda*-seed*")}
+    if len(found) > 1:
+        raise ValueError(f"{output} holds runs of several lambdas {sorted(found)}: pass --step-lambda")
+    return found.pop() if found else None
 
 
 def state_prompts(env_name: str, env_kwargs: dict, template_name: str, tokenizer, draw: random.Random):
@@ -177,29 +213,30 @@ def reading_probe(model_dir: str, settings: dict, learning_rate: float, steps: i
     return curve
 
 
-def start_run(config: Path, model: str, omega: float, seed: int, output_dir: Path, overrides: list[str]) -> subprocess.Popen:
+def start_run(config: Path, model: str, method_arguments: list[str], seed: int, output_dir: Path,
+              overrides: list[str]) -> subprocess.Popen:
     """One training run through the recipe, started in a process of its own (its output in OUTPUT_DIR.log)."""
     command = [sys.executable, str(ROOT / "recipes" / "train_gigpo.py"), "--config", str(config),
-               "--model_name_or_path", model, "--step_advantage_weight", str(omega), "--seed", str(seed),
+               "--model_name_or_path", model, *method_arguments, "--seed", str(seed),
                "--output_dir", str(output_dir), *overrides]
-    with open(output_dir.with_suffix(".log"), "w") as log:
+    with open(run_log(output_dir), "w") as log:
         return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
 
 
-def train_all(runs: dict[tuple[str, int], Path], config: Path, model: str, overrides: list[str],
-              parallel: bool) -> dict[str, float]:
+def train_all(runs: dict[tuple[str, int], Path], arms: dict[str, list[str]], config: Path, model: str,
+              overrides: list[str], parallel: bool) -> dict[str, float]:
     """Every (method, seed) run, one after the other or all at once; returns their wall times in seconds."""
     started, processes, seconds = {}, {}, {}
 
     def finish(key):
         if processes[key].wait():
-            raise RuntimeError(f"{key[0]} seed {key[1]} failed: see {runs[key].with_suffix('.log')}")
+            raise RuntimeError(f"{key[0]} seed {key[1]} failed: see {run_log(runs[key])}")
         seconds[f"{key[0]} seed {key[1]}"] = time.perf_counter() - started[key]
         print(f"{key[0]:16s} seed {key[1]}: {seconds[f'{key[0]} seed {key[1]}']:.0f} s", flush=True)
 
     for key, output_dir in runs.items():
         started[key] = time.perf_counter()
-        processes[key] = start_run(config, model, METHODS[key[0]], key[1], output_dir, overrides)
+        processes[key] = start_run(config, model, arms[key[0]], key[1], output_dir, overrides)
         if not parallel:
             finish(key)
     if parallel:
@@ -307,7 +344,7 @@ def curves(runs: dict[tuple[str, int], Path], hint_steps: dict[tuple[str, int], 
             print(f"{method} seed {seed}: no records in {output_dir}", flush=True)
             continue
         following = draught_following(hint_steps[method, seed])
-        entropy = iter(logged_entropy(output_dir.with_suffix(".log")))  # the k-th update follows the k-th rollout
+        entropy = iter(logged_entropy(run_log(output_dir)))  # the k-th update follows the k-th rollout
         for record in read_iterations(output_dir):
             metrics = record["metrics"]
             rows.append({
@@ -349,7 +386,7 @@ def plot(rows: list[dict], path: Path) -> None:
     if not all(np.isnan(row["draught_following"]) for row in rows):  # rooms: what the policy learned
         panels[2] = ("train", "draught_following", "Steps that follow the draught (rooms)")
     for axes, (mode, field, title) in zip(figure.subplots(2, 3).flat, panels):
-        for method in METHODS:
+        for method in dict.fromkeys(row["method"] for row in rows):
             steps, values = mean_curve(rows, method, mode, field)
             if field == "draught_following":  # 4 sampled episodes per rollout: average 10 rollouts
                 steps, values = steps[::10], np.array([np.nanmean(v.reshape(-1, 10), axis=1) for v in values[:, : len(steps) // 10 * 10]])
@@ -363,18 +400,33 @@ def plot(rows: list[dict], path: Path) -> None:
     figure.savefig(path, dpi=110)
 
 
-def summary(rows: list[dict], seeds: list[int]) -> dict:
-    """Final success rates and episode lengths, and when GiGPO reaches the baseline's final value (mean over seeds)."""
-    result: dict = {"seeds": seeds}
+def comparisons(arms: Sequence[str]) -> list[tuple[str, str]]:
+    """The (method, against) pairs a comparison reports: every method against step-wise GRPO, and the bootstrapped
+    arm against the paper's GiGPO."""
+    return [(method, BASELINE) for method in arms if method != BASELINE] + [
+        (method, PAPER) for method in arms if method not in (PAPER, BASELINE)]
+
+
+def summary(rows: list[dict], seeds: list[int], arms: Sequence[str]) -> dict:
+    """Final success rates and episode lengths, when each method reaches the other's final value (mean over seeds),
+    and per seed the first iteration at which training success reaches each of SUCCESS_TARGETS."""
+    result: dict = {"seeds": seeds, "methods": list(arms)}
+    pairs = comparisons(arms)
     for mode in ("train", "eval"):
         window = 5 if mode == "train" else 1  # training curves are noisy: compare trailing means
-        result[mode] = {"trailing_window": window,
-                        "success_rate": _comparison(rows, mode, "success_rate", window, higher_is_better=True),
-                        "episode_length": _comparison(rows, mode, "episode_length", window, higher_is_better=False)}
+        result[mode] = {"trailing_window": window}
+        for field, higher in (("success_rate", True), ("episode_length", False)):
+            result[mode][field] = {f"{method} against {against}": _comparison(rows, mode, field, window, higher, method,
+                                                                              against) for method, against in pairs}
     result["decision"] = decision(rows)
+    result["decisions"] = {f"{method} against {against}": decision(rows, method, against) for method, against in pairs}
+    result["first_step_at_train_success"] = {
+        method: {f"{target:g}": first_steps_at(rows, method, target) for target in SUCCESS_TARGETS} for method in arms}
     train = [r for r in rows if r["mode"] == "train"]
-    for method in METHODS:
+    for method in arms:
         mine = [r for r in train if r["method"] == method]
+        if not mine:
+            continue
         # Medians for timings: robust to a few iterations slowed by other work on the machine.
         result.setdefault("per_iteration_median", {})[method] = {
             name: float(np.nanmedian([r[name] for r in mine])) for name in ("rollout_s", "update_s", "advantages_s")
@@ -393,36 +445,51 @@ def summary(rows: list[dict], seeds: list[int]) -> dict:
     return result
 
 
-def decision(rows: list[dict]) -> str:
+def first_steps_at(rows: list[dict], method: str, target: float, window: int = 5) -> dict[str, int | None]:
+    """Per seed of `method`: the first iteration whose training success, as a trailing mean of `window` rollouts,
+    is at least `target` (None if never)."""
+    by_seed: dict[int, dict[int, float]] = {}
+    for row in rows:
+        if row["method"] == method and row["mode"] == "train":
+            by_seed.setdefault(row["seed"], {})[row["step"]] = row["success_rate"]
+    result = {}
+    for seed, curve in sorted(by_seed.items()):
+        steps = sorted(curve)
+        smoothed = _trailing_mean(np.array([curve[step] for step in steps]), window)
+        reached = np.flatnonzero(smoothed >= target)
+        result[str(seed)] = int(steps[reached[0]]) if reached.size else None
+    return result
+
+
+def decision(rows: list[dict], first: str = PAPER, second: str = BASELINE) -> str:
     """The pre-registered criterion (docs/results.md): decided when one method's final held-out success is above the
     other's on every seed (each run's last evaluation); otherwise undecided."""
-    final: dict[str, dict[int, float]] = {method: {} for method in METHODS}
-    for row in sorted((r for r in rows if r["mode"] == "eval"), key=lambda r: r["step"]):
+    final: dict[str, dict[int, float]] = {first: {}, second: {}}
+    for row in sorted((r for r in rows if r["mode"] == "eval" and r["method"] in final), key=lambda r: r["step"]):
         final[row["method"]][row["seed"]] = row["success_rate"]
-    gigpo, baseline = METHODS
-    seeds = sorted(set(final[gigpo]) & set(final[baseline]))
+    seeds = sorted(set(final[first]) & set(final[second]))
     if not seeds:
         return "undecided: no held-out evaluation"
-    for better, worse in ((gigpo, baseline), (baseline, gigpo)):
+    for better, worse in ((first, second), (second, first)):
         if all(final[better][seed] > final[worse][seed] for seed in seeds):
             return f"decided: {better} above {worse} on every seed ({len(seeds)})"
     return f"undecided: neither method is above the other on every seed ({len(seeds)})"
 
 
-def _comparison(rows: list[dict], mode: str, field: str, window: int, higher_is_better: bool) -> dict:
-    """Both methods' final value of one curve (trailing mean over seeds) and the first step at which GiGPO's is
-    at least as good as the baseline's final value."""
-    gigpo, baseline = METHODS
-    steps, base = mean_curve(rows, baseline, mode, field)
-    _, ours = mean_curve(rows, gigpo, mode, field)
+def _comparison(rows: list[dict], mode: str, field: str, window: int, higher_is_better: bool, method: str,
+                against: str) -> dict:
+    """Both methods' final value of one curve (trailing mean over seeds) and the first step at which `method`'s is
+    at least as good as the final value of `against`."""
+    steps, base = mean_curve(rows, against, mode, field)
+    _, ours = mean_curve(rows, method, mode, field)
     base_mean, ours_mean = _trailing_mean(base.mean(0), window), _trailing_mean(ours.mean(0), window)
     target = base_mean[-1]
     reached = np.flatnonzero(ours_mean >= target if higher_is_better else ours_mean <= target)
     return {
-        "final": {gigpo: float(ours_mean[-1]), baseline: float(target)},
-        "final_per_seed": {gigpo: ours[:, -1].tolist(), baseline: base[:, -1].tolist()},
-        "gigpo_reaches_baseline_final_at_step": int(steps[reached[0]]) if reached.size else None,
-        "baseline_last_step": int(steps[-1]),
+        "final": {method: float(ours_mean[-1]), against: float(target)},
+        "final_per_seed": {method: ours[:, -1].tolist(), against: base[:, -1].tolist()},
+        "reaches_final_of_the_other_at_step": int(steps[reached[0]]) if reached.size else None,
+        "last_step": int(steps[-1]),
     }
 
 
@@ -445,6 +512,9 @@ def main() -> None:
     what.add_argument("--reading-probe", type=int, metavar="STEPS", default=None,
                       help="rooms only, no RL: supervised learning with perfect labels from the same start, "
                       "for STEPS updates at the config's learning rate; writes OUTPUT/reading_probe.json")
+    parser.add_argument("--step-lambda", type=float, default=None, metavar="LAMBDA",
+                        help="a third arm: GiGPO with the bootstrapped step value at this lambda in [0, 1) "
+                        "(--step_advantage_lambda; --analyze-only finds it from the runs' folders)")
     parser.add_argument("--parallel", action="store_true", help="start every run at once (one process each)")
     parser.add_argument("--detach", action="store_true", help="run in a new process session, output to OUTPUT/learning.log")
     parser.add_argument("--screen-tasks", type=int, nargs=3, default=[32, 4, 8], metavar=("EVAL", "SAMPLED", "COPIES"),
@@ -465,8 +535,11 @@ def main() -> None:
     import yaml
 
     settings = yaml.safe_load(args.config.read_text())
-    runs = {(method, seed): args.output / f"{'gigpo' if omega else 'grpo'}-seed{seed}"
-            for seed in args.seeds for method, omega in METHODS.items()}
+    if args.step_lambda is not None and not 0.0 <= args.step_lambda < 1.0:
+        parser.error(f"--step-lambda must be in [0, 1) (lambda 1 is the GiGPO arm), got {args.step_lambda}")
+    step_lambda = args.step_lambda if args.step_lambda is not None or not args.analyze_only else lambda_of_runs(args.output)
+    arms = methods(step_lambda)
+    runs = {(method, seed): run_directory(args.output, method, seed) for seed in args.seeds for method in arms}
     if args.reading_probe is not None and args.reading_probe < 1:
         parser.error(f"--reading-probe takes a number of updates >= 1, got {args.reading_probe}")
     if args.reading_probe is not None and settings["env_name"] != "rooms":
@@ -479,7 +552,7 @@ def main() -> None:
         curve = reading_probe(model, settings, settings["learning_rate"], args.reading_probe)
         (args.output / "reading_probe.json").write_text(json.dumps(curve, indent=2))
         return
-    seconds = {} if args.analyze_only else train_all(runs, args.config, model, overrides, args.parallel)
+    seconds = {} if args.analyze_only else train_all(runs, arms, args.config, model, overrides, args.parallel)
     hint_steps = {run: draught_steps(output_dir) for run, output_dir in runs.items()}  # each run's records read once
     rows = curves(runs, hint_steps)
     with open(args.output / "learning_curves.csv", "w", newline="") as file:
@@ -487,7 +560,7 @@ def main() -> None:
         writer.writeheader()
         writer.writerows(rows)
     plot(rows, args.output / "learning_curves.png")
-    result = summary(rows, args.seeds) | {"wall_seconds": seconds}
+    result = summary(rows, args.seeds, list(arms)) | {"wall_seconds": seconds}
     advantages = {f"{method} seed {seed}": draught_advantages(hint_steps[method, seed]) for method, seed in runs}
     if all(advantages.values()):
         result["advantage_by_draught"] = advantages

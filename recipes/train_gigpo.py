@@ -17,7 +17,8 @@ One GPU with LoRA:
     accelerate launch --config_file recipes/accelerate/deepspeed_zero3.yaml recipes/train_gigpo.py \\
         --config recipes/configs/textworld_cooking_gigpo.yaml
 
-The baseline, step-wise GRPO, is any config with `--step_advantage_weight 0` (and its own `--output_dir`).
+The baseline, step-wise GRPO, is any config with `--step_advantage_weight 0` (and its own `--output_dir`); the
+bootstrapped step value (beyond the paper, docs/advantages.md) is `--step_advantage_lambda 0.5` (or any lambda < 1).
 Any field of GiGPOConfig / GRPOConfig / TrainingArguments and of ModelConfig can be set in the YAML
 or overridden on the command line (`--max_steps 10`), as with TRL's own scripts.
 """
@@ -46,7 +47,9 @@ def main(task_args: TaskArguments, training_args: GiGPOConfig, model_args: Model
     )
 
     if trainer.accelerator.is_main_process:
-        print(f"GiGPO on {trainer.accelerator.num_processes} process(es), {trainer.accelerator.device}")
+        print(f"GiGPO on {trainer.accelerator.num_processes} process(es), {trainer.accelerator.device}: "
+              f"A = A_E + {training_args.step_advantage_weight:g} * A_S, step value lambda "
+              f"{training_args.step_advantage_lambda:g}")
     train_and_report(trainer, training_args.resume_from_checkpoint,
                      panel=f"Held-out success rate ({task_args.num_eval_tasks} tasks)")
     if training_args.push_to_hub:

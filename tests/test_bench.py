@@ -182,3 +182,70 @@ def test_cpu_precision_kernels_time_every_pass_in_both_precisions(tiny_model_pat
         seconds = result["kernel_seconds"][name]
         assert ratio == pytest.approx(sum(seconds["bf16"]) / sum(seconds["fp32"]))  # the median of two is their mean
     assert json.loads(output.read_text()) == result and "avx512_bf16" in result["cpu"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_lambda_arm_runs_beside_gigpo_and_grpo_and_is_compared_with_both(tiny_model_path, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    command = [sys.executable, str(root / "bench" / "learning.py"), "--step-lambda", "0.5", "--seeds", "0", "--config",
+               str(root / "recipes" / "configs" / "learning_rooms_cpu.yaml"), "--model", tiny_model_path, "--output",
+               str(tmp_path), "--max_steps", "2", "--num_eval_tasks", "4", "--per_device_eval_batch_size", "4",
+               "--eval_steps", "1"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=root)
+
+    assert result.returncode == 0, result.stderr[-4000:]
+    # Each run's recipe says which advantage it trains with.
+    assert "A = A_E + 1 * A_S, step value lambda 0.5" in (tmp_path / "gigpo-lambda0.5-seed0.log").read_text()
+    assert "A = A_E + 1 * A_S, step value lambda 1" in (tmp_path / "gigpo-seed0.log").read_text()
+    assert "A = A_E + 0 * A_S, step value lambda 1" in (tmp_path / "grpo-seed0.log").read_text()
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["methods"] == ["GiGPO", "GRPO (omega=0)", "GiGPO lambda 0.5"]
+    assert set(summary["decisions"]) == {"GiGPO against GRPO (omega=0)", "GiGPO lambda 0.5 against GRPO (omega=0)",
+                                         "GiGPO lambda 0.5 against GiGPO"}
+    assert set(summary["first_step_at_train_success"]["GiGPO lambda 0.5"]) == {"0.5", "0.8"}
+    # --analyze-only finds the third arm from its folder.
+    subprocess.run([*command[:2], "--analyze-only", "--seeds", "0", "--output", str(tmp_path)], check=True,
+                   capture_output=True, cwd=root)
+    assert json.loads((tmp_path / "summary.json").read_text())["methods"] == summary["methods"]
+
+
+def test_the_decision_of_any_two_methods_and_the_first_iterations_at_a_success_target():
+    from bench.learning import decision, first_steps_at, methods, run_directory
+
+    rows = [{"method": method, "seed": 0, "mode": "eval", "step": 10, "success_rate": value}
+            for method, value in (("GiGPO", 0.5), ("GiGPO lambda 0.5", 0.7))]
+    assert decision(rows, "GiGPO lambda 0.5", "GiGPO") == "decided: GiGPO lambda 0.5 above GiGPO on every seed (1)"
+    train = [{"method": "GiGPO", "seed": 3, "mode": "train", "step": step, "success_rate": value}
+             for step, value in enumerate([0.0, 1.0, 1.0, 1.0, 1.0, 1.0])]
+    # Trailing means of 5: 0, 0.5, 0.67, 0.75, 0.8, 1.0.
+    assert first_steps_at(train, "GiGPO", 0.5) == {"3": 1} and first_steps_at(train, "GiGPO", 0.8) == {"3": 4}
+    assert first_steps_at(train, "GiGPO", 1.01) == {"3": None}
+    assert methods(0.0)["GiGPO lambda 0"] == ["--step_advantage_weight", "1", "--step_advantage_lambda", "0"]
+    assert run_directory(Path("out"), "GiGPO lambda 0.9", 2) == Path("out/gigpo-lambda0.9-seed2")
+
+
+def test_the_tabular_comparison_pairs_every_method_with_gigpo_seed_by_seed():
+    from bench.credit_tabular import compare, paired_difference, per_seed_summary, table
+
+    curves = {"GiGPO": [[0.0, 0.6, 0.6, 0.6, 0.6, 0.6]] * 2, "GRPO (omega=0)": [[0.0] * 6] * 2,
+              "GiGPO lambda 0.5": [[1.0] * 6, [0.0, 0.6, 0.6, 0.6, 0.6, 0.6]]}
+    summary = per_seed_summary(curves, 6, (0.5,))
+    # Trailing means of 5 of GiGPO's curve: 0, 0.3, 0.4, 0.45, 0.48, 0.6: 0.5 first at iteration 5.
+    assert summary["GiGPO"]["iterations_to_0.5"]["mean"] == 5.0
+    never = {key: value for key, value in summary["GRPO (omega=0)"]["iterations_to_0.5"].items() if key != "minus GiGPO"}
+    assert never == {"mean": 6.0, "std": 0.0, "median": 6.0, "min": 6.0, "max": 6.0, "never_reached": 2}
+    paired = summary["GiGPO lambda 0.5"]["iterations_to_0.5"]["minus GiGPO"]
+    assert paired["mean"] == -2.5 and paired["seeds_ahead"] == 1 and paired["seeds_equal"] == 1  # 0 - 5 and 5 - 5
+    assert paired_difference(np.array([0.1, 0.1]), higher_is_better=True)["ci95"] == [pytest.approx(0.1)] * 2
+
+    settings = {"env_name": "rooms", "env_kwargs": {"num_rooms": 9, "treasure": "west", "idle_actions": 2},
+                "num_generations": 4, "per_device_train_batch_size": 8, "max_env_steps": 12, "gamma": 0.95,
+                "advantage_norm": "mean_std", "episode_stats": "steps"}
+    result = compare(settings, "adam", 0.03, seeds=2, iterations=4, lambdas=(0.5,))
+    assert set(result["per_seed"]) == {"GiGPO", "GRPO (omega=0)", "GiGPO lambda 0.5"}
+    assert "| GiGPO lambda 0.5 | " in table(result)
