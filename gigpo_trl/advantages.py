@@ -108,6 +108,14 @@ class GiGPOAdvantages:
     step_group_sizes: np.ndarray  # int64 [n]: number of rows in the row's step group
     stats: StepGroupStats
 
+    @classmethod
+    def concatenate(cls, parts: Sequence[GiGPOAdvantages]) -> GiGPOAdvantages:
+        """The advantages of the rows of several passes, one part after the other: what one pass over all the rows
+        gives when no task group has rows in two parts (the rounds of dynamic sampling play different groups)."""
+        arrays = (np.concatenate([getattr(part, name) for part in parts])
+                  for name in ("advantages", "episode_advantages", "step_advantages", "step_group_sizes"))
+        return cls(*arrays, stats=StepGroupStats.combine([part.stats for part in parts]))
+
 
 # --------------------------------------------------------------------------------------------
 # The math: small pure functions, one per equation.

@@ -148,6 +148,16 @@ class GiGPOConfig(GRPOConfig):
                   "dropped is logged as gigpo/subsampled_rows. Evaluation keeps every sample and runs its loss in passes of "
                   "at most this many rows (None: per_device_eval_batch_size rows). None: no bound."},
     )
+    dynamic_sampling_max_rounds: int = field(
+        default=0,
+        metadata={"help": "Dynamic sampling (DAPO's): after a training rollout, the task groups without signal (every "
+                  "step sample's advantage A = A_E + omega * A_S is 0: typically all copies got the same return, e.g. "
+                  "none won) are dropped before the update, and rounds of further tasks, drawn from the training set "
+                  "(reproducibly: by the seed, the step, the process and the round), are played, as many tasks a round "
+                  "as the rollout had, until each process holds that many groups with a signal or this many extra "
+                  "rounds were played; the update then trains on what it has (a warning says when it is short; "
+                  "logged as dynamic_sampling/*). 0: off. Evaluation is never filtered."},
+    )
 
     def __post_init__(self):
         if self.bf16 is None and not self.fp16 and not _cuda_available():
@@ -200,6 +210,9 @@ class GiGPOConfig(GRPOConfig):
             problems.append(f"step_timeout={self.step_timeout} must be > 0")
         if self.max_step_samples_per_micro_batch is not None and self.max_step_samples_per_micro_batch < 1:
             problems.append(f"max_step_samples_per_micro_batch={self.max_step_samples_per_micro_batch} must be >= 1")
+        if self.dynamic_sampling_max_rounds < 0:
+            problems.append(f"dynamic_sampling_max_rounds={self.dynamic_sampling_max_rounds} must be >= 0 (0: no dynamic "
+                            "sampling)")
         if self.loss_type not in SUPPORTED_LOSS_TYPES:
             problems.append(
                 f"loss_type={self.loss_type!r} normalizes per row or per micro-batch, so the zero-weight rows that keep "

@@ -1,9 +1,9 @@
 """The metrics a GiGPO run logs, as pure functions of what the rollouts and evaluations produced.
 
 A process summarizes its own rollout (`RolloutSummary.of`); the trainer gathers the summaries of all processes and
-`rollout_metrics` turns them into the logged numbers (`env/*`, `gigpo/*`, `timing/*`, TRL's `reward`, ...), so a
-metric means the same on one process and on many. Evaluations count every held-out (task, copy) once
-(`panel_metrics`), and the loss's per-row metrics leave the lock-step padding rows out (`padding_free_row_metrics`).
+`rollout_metrics` turns them into the logged numbers (`env/*`, `gigpo/*`, `timing/*`, `dynamic_sampling/*`, TRL's
+`reward`, ...), so a metric means the same on one process and on many. Evaluations count every held-out (task, copy)
+once (`panel_metrics`), and the loss's per-row metrics leave the lock-step padding rows out (`padding_free_row_metrics`).
 No torch and no trainer state here.
 """
 
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from gigpo_trl.advantages import GiGPOAdvantages, StepGroupStats
+from gigpo_trl.dynamic_sampling import SamplingCounts
 from gigpo_trl.rollout import Episode, Rollout
 
 # Above this share of singleton step groups, step advantages are almost all 0: GiGPO ~ GRPO.
@@ -63,17 +64,23 @@ class RolloutSummary:
     prompt_tokens: int
     generated_tokens: int
     subsampled: int  # step samples left out of the update by max_step_samples_per_micro_batch
+    update_samples: int  # step samples that are rows of the update (padding rows aside)
+    update_nonzero: int  # of those, the samples whose advantage is not 0
     times: RolloutTimes
     step_groups: StepGroupStats
+    sampling: SamplingCounts | None  # what dynamic sampling did (None: off)
 
     @classmethod
     def of(cls, rollout: Rollout, gigpo: GiGPOAdvantages, times: RolloutTimes, *, max_completion_length: int,
-           end_token_ids: Collection[int], subsampled: int) -> RolloutSummary:
+           end_token_ids: Collection[int], subsampled: int, update_samples: Sequence[int],
+           sampling: SamplingCounts | None = None) -> RolloutSummary:
         """Summarize a rollout, its advantages (`compute_gigpo_advantages` of its step columns) and its times.
 
         Args:
             end_token_ids: the tokens that end an answer (EOS, padding): an answer of `max_completion_length`
                 tokens that does not end with one was cut.
+            update_samples: the step samples (indices into the rollout's) that are rows of the update.
+            sampling: what dynamic sampling did, when it is on.
         """
         episodes, steps = rollout.episodes, rollout.steps
         returns = np.array([e.episode_return for e in episodes], dtype=np.float64)
@@ -104,8 +111,11 @@ class RolloutSummary:
             prompt_tokens=sum(len(c.prompt_ids) for c in steps.completion),
             generated_tokens=rollout.generated_tokens,
             subsampled=subsampled,
+            update_samples=len(update_samples),
+            update_nonzero=int(np.count_nonzero(gigpo.advantages[np.asarray(update_samples, dtype=np.int64)])),
             times=times,
             step_groups=gigpo.stats,
+            sampling=sampling,
         )
 
 
@@ -139,6 +149,8 @@ def rollout_metrics(summaries: Sequence[RolloutSummary], update_seconds: float |
         "env/step_samples": steps,
         **step_groups,
         "gigpo/subsampled_rows": total("subsampled"),
+        "gigpo/update_step_samples": total("update_samples"),
+        "gigpo/nonzero_advantage_share": total("update_nonzero") / max(total("update_samples"), 1),
         "timing/rollout_s": slowest("rollout"),
         "timing/generation_s": generation_seconds,
         "timing/env_s": slowest("env"),
@@ -156,6 +168,8 @@ def rollout_metrics(summaries: Sequence[RolloutSummary], update_seconds: float |
     }
     if update_seconds is not None:
         metrics["timing/update_s"] = update_seconds
+    if summaries[0].sampling is not None:
+        metrics.update(SamplingCounts.combine([s.sampling for s in summaries]).as_metrics())
     return metrics
 
 

@@ -39,6 +39,10 @@ PLOT_CAPTIONS = {
 # Drawn when the run was evaluated (GiGPOTrainer.evaluate) and its environment says whether a task is won.
 PANEL_CAPTION = ("panel.png", "Held-out success rate of every evaluation, each task counted once: overall and per task "
                  "type (info[\"task_type\"]).")
+# Drawn when the run trained with dynamic sampling (dynamic_sampling_max_rounds).
+DYNAMIC_SAMPLING_CAPTION = ("dynamic_sampling.png", "Dynamic sampling: the task groups of every training iteration "
+                            "(rolled over all rounds, kept for the update, dropped without signal, asked), its extra "
+                            "rounds, and the rollout time they cost.")
 # In the success plot of a run whose environment does not say whether a task is won (no success rate is logged).
 SUCCESS_NOT_REPORTED = "not reported:\nthe environment does not say\nwhether a task is won (info[\"won\"])"
 
@@ -55,10 +59,21 @@ KEY_METRICS = {
     "gigpo/step_group_size_max": "largest step group",
     "gigpo/singleton_share": "share of step groups of size 1 (their step advantage is 0)",
     "gigpo/nonzero_step_advantage_share": "share of step samples with a nonzero step advantage A_S",
+    "gigpo/nonzero_advantage_share": "share of the update's step samples with a nonzero advantage A",
     "gigpo/episode_advantage_std": "standard deviation of the episode advantage A_E",
     "gigpo/step_advantage_std": "standard deviation of the step advantage A_S",
     "timing/rollout_s": "rollout time (seconds)",
     "generation/tokens_per_s": "generation throughput (tokens per second)",
+}
+# Added to the table of a run that trained with dynamic sampling.
+DYNAMIC_SAMPLING_METRICS = {
+    "dynamic_sampling/groups_rolled": "task groups rolled (every round)",
+    "dynamic_sampling/groups_kept": "task groups in the update (with a signal)",
+    "dynamic_sampling/groups_dropped": "task groups dropped (every step sample's advantage 0)",
+    "dynamic_sampling/groups_surplus": "task groups with a signal left out (more than asked)",
+    "dynamic_sampling/groups_missing": "task groups the update lacks (the limit was reached)",
+    "dynamic_sampling/extra_rounds": "extra rollout rounds",
+    "dynamic_sampling/extra_rollout_s": "rollout time of the extra rounds (seconds)",
 }
 
 # C0/C1 control characters (tabs and newlines aside) are not allowed in HTML text; small models emit them.
@@ -92,6 +107,10 @@ def write_report(output_dir: str | Path, max_rollouts: int = DEFAULT_ROLLOUTS_SH
     if any("env/success_rate" in record["metrics"] for record in evaluations):
         _plot_panel(evaluations).savefig(report_dir / PANEL_CAPTION[0], dpi=100)
         captions[PANEL_CAPTION[0]] = PANEL_CAPTION[1]
+    sampled = [record for record in train if _dynamic_sampling(record)]
+    if sampled:
+        _plot_dynamic_sampling(sampled).savefig(report_dir / DYNAMIC_SAMPLING_CAPTION[0], dpi=100)
+        captions[DYNAMIC_SAMPLING_CAPTION[0]] = DYNAMIC_SAMPLING_CAPTION[1]
 
     page = _page(Path(output_dir), records, _trajectory_viewer(records, read_trajectories(output_dir), max_rollouts),
                  captions)
@@ -185,12 +204,43 @@ def _plot_panel(evaluations: list[dict[str, Any]]) -> Figure:
     tasks = int(evaluations[-1]["metrics"].get("env/panel_tasks", 0))
     axes.set(title=f"Held-out success ({tasks} tasks)", xlabel=STEP_AXIS_LABEL, ylabel="share of episodes won",
              ylim=(-0.05, 1.05))
-    if min(steps) == max(steps):
-        axes.set_xlim(steps[0] - 1, steps[0] + 1)
-    axes.xaxis.set_major_locator(MaxNLocator(integer=True))
-    axes.grid(alpha=0.3)
+    _step_axis(axes, steps)
     axes.legend()
     return figure
+
+
+def _plot_dynamic_sampling(train: list[dict[str, Any]]) -> Figure:
+    """The task groups of every training iteration, its extra rounds and their rollout time."""
+    figure = Figure(figsize=(20, 4.2), layout="constrained")
+    groups_axes, rounds_axes, time_axes = figure.subplots(1, 3)
+    steps = [record["step"] for record in train]
+
+    def values(metric: str) -> list[float]:
+        return [record["metrics"][metric] for record in train]
+
+    for name, label, style in (("groups_rolled", "rolled (every round)", {"marker": "o"}),
+                               ("groups_kept", "kept for the update", {"marker": "o", "linewidth": 3}),
+                               ("groups_dropped", "dropped: no signal", {"marker": "x"})):
+        groups_axes.plot(steps, values(f"dynamic_sampling/{name}"), label=label, **style)
+    asked = [kept + missing for kept, missing in zip(values("dynamic_sampling/groups_kept"),
+                                                     values("dynamic_sampling/groups_missing"))]
+    groups_axes.plot(steps, asked, linestyle="--", color="black", label="asked (the rollout's tasks)")
+    groups_axes.set(title="Task groups", xlabel=STEP_AXIS_LABEL, ylabel="task groups, all processes")
+    rounds_axes.bar(steps, values("dynamic_sampling/extra_rounds"))
+    rounds_axes.set(title="Extra rollout rounds", xlabel=STEP_AXIS_LABEL, ylabel="rounds after the first")
+    time_axes.plot(steps, values("timing/rollout_s"), marker="o", label="whole rollout (every round)")
+    time_axes.plot(steps, values("dynamic_sampling/extra_rollout_s"), marker="o", label="extra rounds")
+    time_axes.set(title="Rollout time", xlabel=STEP_AXIS_LABEL, ylabel="seconds")
+    for axes in (groups_axes, rounds_axes, time_axes):
+        _step_axis(axes, steps)
+    rounds_axes.yaxis.set_major_locator(MaxNLocator(integer=True))
+    groups_axes.legend()
+    time_axes.legend()
+    return figure
+
+
+def _dynamic_sampling(record: dict[str, Any]) -> bool:
+    return "dynamic_sampling/groups_rolled" in record["metrics"]
 
 
 def _plot_metric(axes: Axes, train: list[dict[str, Any]], evaluation: list[dict[str, Any]], metric: str) -> None:
@@ -204,12 +254,16 @@ def _plot_metric(axes: Axes, train: list[dict[str, Any]], evaluation: list[dict[
         if records:
             values = [record["metrics"].get(metric, np.nan) for record in records]
             axes.plot([record["step"] for record in records], values, label=label, **style)
-    steps = [record["step"] for record in train + evaluation]
-    if min(steps) == max(steps):  # a single step: whole-step ticks around it rather than fractions of a step
+    _step_axis(axes, [record["step"] for record in train + evaluation])
+    axes.legend()
+
+
+def _step_axis(axes: Axes, steps: list[int]) -> None:
+    """Training steps on the x axis: whole steps (around a single one rather than fractions of a step), a grid."""
+    if min(steps) == max(steps):
         axes.set_xlim(steps[0] - 1, steps[0] + 1)
     axes.xaxis.set_major_locator(MaxNLocator(integer=True))
     axes.grid(alpha=0.3)
-    axes.legend()
 
 
 def _first_and_last(train: list[dict[str, Any]], evaluation: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
@@ -262,7 +316,8 @@ def _metrics_table(records: list[dict[str, Any]]) -> str:
     columns = [latest[mode] for mode in MODE_NAMES if mode in latest]
     header = "".join(f"<th>last {MODE_NAMES[record['mode']].lower()} rollout<br>(step {record['step']})</th>" for record in columns)
     rows = []
-    for metric, meaning in KEY_METRICS.items():
+    shown = KEY_METRICS | (DYNAMIC_SAMPLING_METRICS if any(_dynamic_sampling(record) for record in records) else {})
+    for metric, meaning in shown.items():
         cells = "".join(f"<td>{_number(record['metrics'].get(metric))}</td>" for record in columns)
         rows.append(f"<tr><td>{_escape(meaning)}</td><td><code>{_escape(metric)}</code></td>{cells}</tr>")
     return f'<table class="metrics"><tr><th>metric</th><th>logged as</th>{header}</tr>\n' + "\n".join(rows) + "\n</table>"

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Protocol
 
 from tqdm.auto import tqdm
@@ -155,6 +155,33 @@ class Rollout:
     generation_seconds: float = 0.0
     env_seconds: float = 0.0
 
+    @property
+    def num_groups(self) -> int:
+        """The task groups played (groups are numbered 0, 1, ... in the order of the tasks)."""
+        return max((episode.group for episode in self.episodes), default=-1) + 1
+
+
+def concatenate_rollouts(parts: Sequence[Rollout]) -> Rollout:
+    """Rollouts played one after the other, as one (the rounds of dynamic sampling): the groups and trajectories of each
+    part are numbered on after those of the parts before it; step samples and episodes keep the part order, costs add up."""
+    merged = Rollout()
+    groups = trajectories = 0
+    for part in parts:
+        offsets = {"group": groups, "trajectory": trajectories}
+        for column in fields(StepColumns):
+            values = getattr(part.steps, column.name)
+            if column.name in offsets:
+                values = [value + offsets[column.name] for value in values]
+            getattr(merged.steps, column.name).extend(values)
+        merged.episodes += [replace(episode, group=episode.group + groups, trajectory=episode.trajectory + trajectories)
+                            for episode in part.episodes]
+        merged.generate_calls += part.generate_calls
+        merged.generated_tokens += part.generated_tokens
+        merged.generation_seconds += part.generation_seconds
+        merged.env_seconds += part.env_seconds
+        groups, trajectories = groups + part.num_groups, trajectories + len(part.episodes)
+    return merged
+
 
 def collect_rollout(
     pool: EnvPool,
@@ -171,7 +198,8 @@ def collect_rollout(
 
     Args:
         pool: the environments, `len(tasks) * group_size` of them.
-        tasks: one (seed, options) per group.
+        tasks: one (seed, options) per group; or none, for a process that sits a round out (dynamic sampling): it
+            plays nothing and only makes the generation calls of the turns the other processes play.
         generate: turns chat prompts (and the tools each offers) into one `Completion` each.
         max_env_steps: turns after which live episodes are cut off (truncated).
         dialogue: how prompts are written and answers read (default: `TextDialogue()`).
@@ -186,17 +214,17 @@ def collect_rollout(
     """
     rollout = Rollout()
     started = time.perf_counter()
-    current = pool.reset(tasks)
+    current = pool.reset(tasks) if tasks else []
     start = list(current)
     rollout.env_seconds += time.perf_counter() - started
     episodes = [
         Episode(pool.group_of(i), i, tasks[pool.group_of(i)].seed, tasks[pool.group_of(i)].options,
                 current[i].info.get(INFO_TASK_TYPE))
-        for i in range(pool.num_envs)
+        for i in range(len(current))
     ]
     for episode, output in zip(episodes, current):
         _end_if_done(episode, output)
-    histories: list[list[Exchange]] = [[] for _ in range(pool.num_envs)]
+    histories: list[list[Exchange]] = [[] for _ in current]
 
     turns = tqdm(range(max_env_steps), desc="rollout turns", leave=False, disable=not show_progress)
     for t in turns:

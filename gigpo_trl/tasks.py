@@ -42,11 +42,16 @@ def task_dataset(seeds: Sequence[int], options: Sequence[dict[str, Any] | None] 
 
 
 def check_task_datasets(train_dataset: Dataset | None, eval_dataset: Dataset | None, tasks_per_rollout: int, *,
-                        seeds: bool = True) -> None:
+                        seeds: bool = True, indexed: bool = False) -> None:
     """A training dataset must hold at least the distinct tasks of one rollout; with `seeds`, every dataset needs a
-    `seed` column (one task per row). Raises a ValueError that says which dataset falls short."""
+    `seed` column (one task per row); with `indexed` (dynamic sampling draws tasks by row index), the training dataset
+    must have a length and rows by index. Raises a ValueError that says which dataset falls short."""
     if train_dataset is None:
         raise ValueError("train_dataset is required: a dataset of tasks with a 'seed' column (see gigpo_trl.task_dataset)")
+    if indexed and not (hasattr(train_dataset, "__len__") and hasattr(train_dataset, "__getitem__")):
+        raise ValueError(f"dynamic_sampling_max_rounds draws further tasks from train_dataset by row index, and this "
+                         f"train_dataset ({type(train_dataset).__name__}) has no rows by index: pass a datasets.Dataset, "
+                         "or leave dynamic sampling off")
     for name, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
         if seeds and dataset is not None and "seed" not in dataset.column_names:
             raise ValueError(f"{name} needs a 'seed' column (one task per row); it has {dataset.column_names}")

@@ -20,6 +20,7 @@ from trl import GRPOTrainer
 from gigpo_trl.advantages import GiGPOAdvantages, compute_gigpo_advantages
 from gigpo_trl.batch import loss_batch, rows_for_update
 from gigpo_trl.config import GiGPOConfig
+from gigpo_trl.dynamic_sampling import SamplingCounts, extra_task_rows, sample_groups
 from gigpo_trl.env_pool import EnvPool
 from gigpo_trl.envs import TextEnv, env_factory
 from gigpo_trl.generation import completions_from_tokens, greedy_decoding, vllm_awake
@@ -34,7 +35,7 @@ from gigpo_trl.report import ReportCallback
 from gigpo_trl.rollout import (
     DUMMY_PROMPT, Completion, Dialogue, Messages, Rollout, TextDialogue, Tools, collect_rollout,
 )
-from gigpo_trl.tasks import check_task_datasets, row_tasks, tasks_from_rows
+from gigpo_trl.tasks import Task, check_task_datasets, row_tasks, tasks_from_rows
 from gigpo_trl.trl_environment import (
     ToolCallDialogue, TRLEnvironment, check_tool_chat_template, checked_trainer_arguments,
 )
@@ -57,9 +58,10 @@ class GiGPOTrainer(GRPOTrainer):
 
     What changes w.r.t. `GRPOTrainer`:
     - `_generate_and_score_completions` runs the rollout (generating through the parent's `_generate_single_turn`,
-      so transformers, vLLM colocate and vLLM server generation all work), computes the advantages, and returns
-      exactly the batch the parent's `_compute_loss` expects, with zero-weight padding rows that keep processes in
-      lock-step (equal generation calls, equal row counts).
+      so transformers, vLLM colocate and vLLM server generation all work), computes the advantages (with dynamic
+      sampling, `dynamic_sampling_max_rounds`, plays more rounds of tasks until enough task groups carry a signal),
+      and returns exactly the batch the parent's `_compute_loss` expects, with zero-weight padding rows that keep
+      processes in lock-step (equal generation calls, equal row counts).
     - `_compute_loss` calls the parent's and only corrects its per-row metrics for those padding rows.
     - `prediction_step` computes the evaluation loss in slices of bounded size (the parent runs one forward pass
       over the whole rollout); `evaluate` keeps its time out of `timing/update_s`; `log` first recomputes an
@@ -140,7 +142,8 @@ class GiGPOTrainer(GRPOTrainer):
         if environment_factory is not None:
             train_dataset, reward_funcs = checked_trainer_arguments(
                 environment_factory, reward_funcs, train_dataset, eval_dataset, tasks_per_rollout, args.max_steps)
-        check_task_datasets(train_dataset, eval_dataset, tasks_per_rollout, seeds=environment_factory is None)
+        check_task_datasets(train_dataset, eval_dataset, tasks_per_rollout, seeds=environment_factory is None,
+                            indexed=args.dynamic_sampling_max_rounds > 0)
         super().__init__(
             model=model, reward_funcs=environment_reward, args=args, train_dataset=train_dataset,
             eval_dataset=eval_dataset, processing_class=processing_class, callbacks=callbacks, optimizers=optimizers,
@@ -168,8 +171,8 @@ class GiGPOTrainer(GRPOTrainer):
         self._eval_episodes: list[PanelEpisode] = []  # this process's evaluation episodes since the last log
         self.add_callback(ReportCallback())
         # TRL keeps the completion logs of the latest rollout: one entry per trajectory there, up to
-        # max_env_steps step samples per trajectory here.
-        samples_per_rollout = args.generation_batch_size * args.max_env_steps
+        # max_env_steps step samples per trajectory (of every round of dynamic sampling) here.
+        samples_per_rollout = args.generation_batch_size * args.max_env_steps * (1 + args.dynamic_sampling_max_rounds)
         self._logs = {
             key: defaultdict(lambda: deque(maxlen=samples_per_rollout)) if key in ("rewards", "extra")
             else deque(maxlen=samples_per_rollout)
@@ -190,15 +193,77 @@ class GiGPOTrainer(GRPOTrainer):
 
         # 1. Rollout: N copies of each task, one batched generation per turn.
         group_size = self.num_generations if mode == "train" else self.num_generations_eval
-        if self.environment_factory is None:
-            tasks = tasks_from_rows(inputs, group_size)
-        else:  # a fresh draw per training step, a fixed panel for evaluation
-            salt = f"{self.state.global_step}-{self.accelerator.process_index}" if mode == "train" else "eval"
-            tasks = row_tasks(inputs, group_size, salt=f"{self.args.seed}-{salt}")
+        tasks = self._tasks(inputs, group_size, mode)
         greedy = mode == "eval" and self.args.eval_greedy
+        pool = self._pool(mode, len(tasks), group_size)
+        rollout = self._play(pool, tasks, greedy)
+        rollout_seconds = time.perf_counter() - started
+        if mode == "eval":
+            self._eval_episodes += [PanelEpisode.of(episode, group_size) for episode in rollout.episodes]
+
+        # 2. GiGPO advantages over this process's groups (groups never cross processes).
+        started = time.perf_counter()
+        gigpo = self._advantages(rollout)
+        advantage_seconds = time.perf_counter() - started
+
+        # 3. Dynamic sampling (training, dynamic_sampling_max_rounds > 0): the groups whose step samples all get a zero
+        #    advantage are left out, and rounds of further tasks played, in lock-step on every process, until this
+        #    process holds as many groups with a signal as it has tasks, or the limit. Otherwise every sample counts.
+        samples, sampling = range(len(rollout.steps)), None
+        if mode == "train" and self.args.dynamic_sampling_max_rounds:
+            sampled = sample_groups(rollout, gigpo, functools.partial(self._extra_round, pool), self._advantages,
+                                    max_rounds=self.args.dynamic_sampling_max_rounds,
+                                    max_across_processes=self._max_across_processes)
+            rollout, gigpo, samples, sampling = sampled.rollout, sampled.advantages, sampled.samples, sampled.counts
+            rollout_seconds += sampling.extra_rollout_s
+        self.last_rollout = rollout
+
+        # 4. Rows: those samples (or a uniform draw under the memory bound), then zero-weight padding
+        #    so that every process has the same number of rows, divisible by steps_per_generation.
+        rows, weights, num_dropped = rows_for_update(
+            len(samples),
+            chunks=self.args.steps_per_generation if mode == "train" else 1,
+            # Evaluation keeps every sample: its loss runs in forward passes of at most the bound (prediction_step).
+            bound=self.args.max_step_samples_per_micro_batch if mode == "train" else None,
+            draw_seed=f"{self.args.seed}-{self.state.global_step}-{self.accelerator.process_index}",
+            max_across_processes=self._max_across_processes,
+        )
+        if samples:
+            rows = [samples[r] for r in rows]
+            completions = [rollout.steps.completion[r] for r in rows]
+            advantages = [float(gigpo.advantages[r]) * w for r, w in zip(rows, weights)]
+        else:  # no sample to train on here: zero-weight stand-ins keep this process in lock-step
+            rows, completions, advantages = [], [self._dummy_completion()] * len(weights), [0.0] * len(weights)
+        batch = loss_batch(self, completions, weights, advantages, mode, sampled=not greedy)
+
+        # 5. Metrics, records and completion logs.
+        times = RolloutTimes(rollout_seconds, rollout.generation_seconds, rollout.env_seconds, advantage_seconds)
+        update_samples = [r for r, w in zip(rows, weights) if w]
+        metrics = self._log_rollout_metrics(mode, rollout, gigpo, times, num_dropped, update_seconds, update_samples,
+                                            sampling)
+        self._write_records(mode, metrics, rollout, gigpo)
+        if self.log_completions:
+            self._log_step_samples(rollout, gigpo.advantages)
+        if mode == "train":
+            self._last_rollout_end, self._seconds_outside_updates = time.perf_counter(), 0.0
+        return batch
+
+    def _tasks(self, rows: list[dict[str, Any]], group_size: int, mode: str, round_: int = 0) -> list[Task]:
+        """The tasks of a batch of rows, `group_size` consecutive copies of each. Rows in TRL's shape get fresh seeds
+        at every training step, process and round of dynamic sampling, and fixed ones for evaluation (`row_tasks`)."""
+        if self.environment_factory is None:
+            return tasks_from_rows(rows, group_size)
+        salt = f"{self.state.global_step}-{self.accelerator.process_index}" if mode == "train" else "eval"
+        if round_:
+            salt += f"-round{round_}"
+        return row_tasks(rows, group_size, salt=f"{self.args.seed}-{salt}")
+
+    def _play(self, pool: EnvPool, tasks: list[Task], greedy: bool) -> Rollout:
+        """Play the tasks (none: only make the generation calls of the other processes' turns) through TRL's
+        generation backends, in lock-step with the other processes."""
         with greedy_decoding(self, greedy), vllm_awake(self):
-            rollout = collect_rollout(
-                self._pool(mode, len(tasks), group_size),
+            return collect_rollout(
+                pool,
                 tasks,
                 self._generate_turn,
                 max_env_steps=self.args.max_env_steps,
@@ -207,15 +272,11 @@ class GiGPOTrainer(GRPOTrainer):
                 equal_prompt_counts=self.use_vllm and (self.vllm_mode == "server" or self.args.vllm_tensor_parallel_size > 1),
                 show_progress=self.accelerator.is_main_process,
             )
-        self.last_rollout = rollout
-        rollout_seconds = time.perf_counter() - started
-        if mode == "eval":
-            self._eval_episodes += [PanelEpisode.of(episode, group_size) for episode in rollout.episodes]
 
-        # 2. GiGPO advantages over this process's groups (groups never cross processes).
-        started = time.perf_counter()
+    def _advantages(self, rollout: Rollout) -> GiGPOAdvantages:
+        """The GiGPO advantages of a rollout's step samples, with the configured settings."""
         steps = rollout.steps
-        gigpo = compute_gigpo_advantages(
+        return compute_gigpo_advantages(
             rewards=steps.reward,
             group_ids=steps.group,
             trajectory_ids=steps.trajectory,
@@ -230,31 +291,17 @@ class GiGPOTrainer(GRPOTrainer):
             similarity_threshold=self.args.similarity_threshold,
             step_lambda=self.args.step_advantage_lambda,
         )
-        advantage_seconds = time.perf_counter() - started
 
-        # 3. Rows: all samples (or a uniform draw under the memory bound), then zero-weight padding
-        #    so that every process has the same number of rows, divisible by steps_per_generation.
-        rows, weights, num_dropped = rows_for_update(
-            len(steps),
-            chunks=self.args.steps_per_generation if mode == "train" else 1,
-            # Evaluation keeps every sample: its loss runs in forward passes of at most the bound (prediction_step).
-            bound=self.args.max_step_samples_per_micro_batch if mode == "train" else None,
-            draw_seed=f"{self.args.seed}-{self.state.global_step}-{self.accelerator.process_index}",
-            max_across_processes=self._max_across_processes,
-        )
-        completions = [steps.completion[r] for r in rows] if len(steps) else [self._dummy_completion()] * len(rows)
-        advantages = [float(gigpo.advantages[r]) * w for r, w in zip(rows, weights)] if len(steps) else [0.0] * len(rows)
-        batch = loss_batch(self, completions, weights, advantages, mode, sampled=not greedy)
-
-        # 4. Metrics, records and completion logs.
-        times = RolloutTimes(rollout_seconds, rollout.generation_seconds, rollout.env_seconds, advantage_seconds)
-        metrics = self._log_rollout_metrics(mode, rollout, gigpo, times, num_dropped, update_seconds)
-        self._write_records(mode, metrics, rollout, gigpo)
-        if self.log_completions:
-            self._log_step_samples(rollout, gigpo.advantages)
-        if mode == "train":
-            self._last_rollout_end, self._seconds_outside_updates = time.perf_counter(), 0.0
-        return batch
+    def _extra_round(self, pool: EnvPool, round_: int, needed: bool) -> Rollout:
+        """Round `round_` of dynamic sampling on this process: as many further tasks as the pool plays, drawn from the
+        training set (`extra_task_rows`), or none where this process already holds enough groups."""
+        tasks = []
+        if needed:
+            indices = extra_task_rows(len(self.train_dataset), pool.num_groups, seed=self.args.seed,
+                                      step=self.state.global_step, process=self.accelerator.process_index, round_=round_)
+            rows = [self.train_dataset[index] for index in indices for _ in range(pool.group_size)]
+            tasks = self._tasks(rows, pool.group_size, "train", round_)
+        return self._play(pool, tasks, greedy=False)
 
     def _generate_turn(self, prompts: list[Messages], tools: list[Tools | None]) -> list[Completion]:
         """One batched generation over the prompts of one turn (each rendered with the tools it offers, if any),
@@ -272,8 +319,9 @@ class GiGPOTrainer(GRPOTrainer):
         )
 
     def _dummy_completion(self) -> Completion:
-        """A stand-in sample (zero loss weight) for a process whose environments all failed to start. Under vLLM
-        it carries a NaN sampling log-prob, like the real samples of the other processes carry theirs."""
+        """A stand-in sample (zero loss weight) for a process without a sample for the update: its environments all
+        failed to start, or dynamic sampling found no group with a signal. Under vLLM it carries a NaN sampling
+        log-prob, like the real samples of the other processes carry theirs."""
         prompt_ids = self._tokenize_prompts([DUMMY_PROMPT])[0][0]
         return Completion(list(prompt_ids), [self.eos_token_ids[0]], "", [float("nan")] if self.use_vllm else None)
 
@@ -368,11 +416,12 @@ class GiGPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------------------------------------
 
     def _log_rollout_metrics(self, mode: str, rollout: Rollout, gigpo: GiGPOAdvantages, times: RolloutTimes,
-                             num_dropped: int, update_seconds: float | None) -> dict[str, float]:
+                             num_dropped: int, update_seconds: float | None, update_samples: list[int],
+                             sampling: SamplingCounts | None) -> dict[str, float]:
         """The rollout's metrics over all processes (`gigpo_trl.metrics`) into TRL's `_metrics`; returns them."""
         summary = RolloutSummary.of(rollout, gigpo, times, max_completion_length=self.max_completion_length,
                                     end_token_ids={*self.eos_token_ids, self._tokenizer.pad_token_id},
-                                    subsampled=num_dropped)
+                                    subsampled=num_dropped, update_samples=update_samples, sampling=sampling)
         summaries = gather_object([summary])
         metrics = rollout_metrics(summaries, update_seconds)
         if mode == "train":
@@ -381,6 +430,8 @@ class GiGPOTrainer(GRPOTrainer):
             self._metrics[mode][name].append(value)
         self._metrics[mode]["num_tokens"] = [self.state.num_input_tokens_seen]
 
+        if metrics.get("dynamic_sampling/groups_missing"):
+            warnings.warn(_short_update_message(metrics), stacklevel=2)
         if metrics["gigpo/subsampled_rows"] and mode == "train":
             warnings.warn(f"max_step_samples_per_micro_batch: {int(metrics['gigpo/subsampled_rows'])} step samples were "
                           "left out of this update (drawn uniformly; logged as gigpo/subsampled_rows)", stacklevel=2)
@@ -407,3 +458,13 @@ class GiGPOTrainer(GRPOTrainer):
         self._logs["completion"].extend(gather_object([c.text for c in steps.completion]))
         self._logs["rewards"]["environment_reward"].extend(gather_object(steps.reward))
         self._logs["advantages"].extend(gather_object([float(a) for a in advantages]))
+
+
+def _short_update_message(metrics: dict[str, float]) -> str:
+    """The warning of an update that holds fewer task groups with a signal than asked: dynamic sampling's limit."""
+    kept, missing = int(metrics["dynamic_sampling/groups_kept"]), int(metrics["dynamic_sampling/groups_missing"])
+    trains_on = f"trains on those {kept}" if kept else "has no step sample with a signal: it runs on zero-weight rows"
+    return (f"dynamic sampling: after {int(metrics['dynamic_sampling/extra_rounds'])} extra round(s) (the limit, "
+            f"dynamic_sampling_max_rounds) the update holds {kept} task group(s) with a signal of the {kept + missing} "
+            f"asked, and {trains_on}; {int(metrics['dynamic_sampling/groups_dropped'])} of the "
+            f"{int(metrics['dynamic_sampling/groups_rolled'])} groups rolled had none (logged as dynamic_sampling/*)")

@@ -126,6 +126,64 @@ def test_configs_are_timed_side_by_side_in_one_run(tiny_model_path, tmp_path, ca
     assert str(smoke) in side_by_side and str(shorter) in side_by_side
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("recipe_arguments", "signal"), [
+    ([], True),  # Sokoban: the step penalty and the timing of the copies give every group a signal
+    (["--env_name", "rooms", "--max_env_steps", "3", "--invalid_action_penalty", "0"], False),  # no treasure in reach
+], ids=["every-group-with-a-signal", "no-group-with-a-signal"])
+def test_dynamic_sampling_is_measured_with_and_without_on_the_same_first_tasks(tiny_model_path, tmp_path,
+                                                                                 recipe_arguments, signal):
+    from bench.bench_rollout import main
+
+    smoke = Path(__file__).resolve().parent.parent / "recipes" / "configs" / "smoke_cpu.yaml"  # 2 tasks x 2 copies
+    output = tmp_path / "dynamic_sampling.json"
+    main(["--dynamic-sampling", str(smoke), "--max-rounds", "1", "--num-iterations", "2", "--model", tiny_model_path,
+          "--output", str(output), *recipe_arguments])
+
+    figures = json.loads(output.read_text())
+    rows = figures["rows"]
+    assert [(row["iteration"], row["arm"]) for row in rows] == [(0, "without"), (0, "with"), (1, "with"), (1, "without")]
+    for k in (0, 1):
+        without, with_ = ({row["arm"]: row for row in rows if row["iteration"] == k}[arm] for arm in ("without", "with"))
+        assert with_["first_round_seeds"] == without["first_round_seeds"] and len(without["first_round_seeds"]) == 2
+        assert without["extra_rounds"] == 0 and without["groups_rolled"] == without["groups_kept"] == 2
+        assert without["update_samples"] == without["step_samples"]  # without it every sample is in the update
+        assert with_["groups_rolled"] == 2 * (1 + with_["extra_rounds"])
+        assert with_["groups_kept"] == min(2, with_["groups_with_signal"])
+        assert with_["groups_dropped"] == with_["groups_rolled"] - with_["groups_with_signal"]
+        assert with_["nonzero_samples"] >= with_["groups_kept"]  # a kept group has a sample with a nonzero advantage
+        if signal:
+            assert with_["extra_rounds"] == 0 and without["groups_with_signal"] == 2
+        else:  # every round's groups dropped, up to the limit; nothing to train on
+            assert with_["extra_rounds"] == 1 and with_["groups_dropped"] == 4 and with_["update_samples"] == 0
+            assert without["nonzero_samples"] == 0 and without["update_samples"] == 2 * 2 * 3
+        for row in (without, with_):
+            assert 0 <= row["nonzero_samples"] <= row["update_samples"] <= row["step_samples"]
+            assert row["rollout_s"] >= row["extra_rollout_s"] >= 0 and (row["extra_rollout_s"] > 0) == (row["extra_rounds"] > 0)
+    for arm, summary in figures["arms"].items():
+        of_arm = [row for row in rows if row["arm"] == arm]
+        assert summary["nonzero_advantage_share"] == pytest.approx(
+            sum(row["nonzero_samples"] for row in of_arm) / max(sum(row["update_samples"] for row in of_arm), 1))
+        assert summary["groups_rolled"] == sum(row["groups_rolled"] for row in of_arm)
+
+
+@pytest.mark.parametrize("arguments", [["--max-rounds", "0"], ["--num-iterations", "0"]])
+def test_the_dynamic_sampling_bench_refuses_a_run_that_measures_nothing(arguments, capsys):
+    from bench.bench_rollout import main
+
+    with pytest.raises(SystemExit):
+        main(["--dynamic-sampling", "config.yaml", *arguments])
+    assert "--max-rounds and --num-iterations must be >= 1" in capsys.readouterr().err
+
+
+def test_recipe_arguments_are_refused_outside_the_dynamic_sampling_bench(capsys):
+    from bench.bench_rollout import main
+
+    with pytest.raises(SystemExit):
+        main(["--iterations", "config.yaml", "--use_cpu", "true"])
+    assert "unrecognized arguments: --use_cpu true" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_the_comparison_runs_six_processes_at_once_and_reports_the_pre_registered_decision(tiny_model_path, tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html
 import json
 import re
 import shutil
@@ -225,6 +226,44 @@ def test_the_command_line_without_records_fails_with_a_message(tmp_path):
     assert f"no GiGPO records in {tmp_path}" in result.stderr and "iterations.jsonl is missing" in result.stderr
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "report").exists()
+
+
+@pytest.fixture(scope="module")
+def sampled_run_dir(tmp_path_factory, tiny_model_path) -> Path:
+    """A real run with dynamic sampling: 2 training rollouts of 2 corridors each, among which the 12-cell ones are
+    never finished by either copy (no signal), so that rounds of further corridors are played."""
+    output_dir = tmp_path_factory.mktemp("sampled-run")
+    config = GiGPOConfig(
+        output_dir=str(output_dir), per_device_train_batch_size=4, num_generations=2, steps_per_generation=1,
+        gradient_accumulation_steps=1, max_steps=2, max_completion_length=2, max_env_steps=4, logging_steps=1,
+        report_to=[], gradient_checkpointing=False, save_strategy="no", env_processes=False, disable_tqdm=True, seed=0,
+        invalid_action_penalty=0.0, dynamic_sampling_max_rounds=2, shuffle_dataset=False,
+    )
+    lengths = [12, 3, 12, 12, 12, 3]
+    trainer = ScriptedTrainer(tiny_model_path, args=config, env=Corridor,
+                              train_dataset=task_dataset(range(6), options=[{"length": n} for n in lengths]))
+    try:
+        trainer.train()
+    finally:
+        trainer.close_environments()
+    return output_dir
+
+
+def test_a_run_with_dynamic_sampling_tables_and_draws_its_groups_rounds_and_time(sampled_run_dir):
+    from gigpo_trl.report import DYNAMIC_SAMPLING_METRICS
+
+    report_dir = write_report(sampled_run_dir)
+
+    never_evaluated = set(PLOTS) - {"panel.png"}
+    assert {path.name for path in report_dir.iterdir()} == never_evaluated | {"dynamic_sampling.png", "index.html"}
+    image = matplotlib.image.imread(report_dir / "dynamic_sampling.png")
+    assert image.shape[1] >= 1000 and image.std() > 0
+    page = (report_dir / "index.html").read_text()
+    assert '<img src="dynamic_sampling.png"' in page
+    last = read_iterations(sampled_run_dir)[-1]["metrics"]
+    assert last["dynamic_sampling/groups_rolled"] > last["dynamic_sampling/groups_kept"]  # something was dropped
+    for metric, meaning in DYNAMIC_SAMPLING_METRICS.items():
+        assert f"<tr><td>{html.escape(meaning)}</td><td><code>{metric}</code></td><td>{last[metric]:.4g}</td></tr>" in page
 
 
 def test_a_run_without_a_finished_rollout_has_no_report(tmp_path):

@@ -95,6 +95,20 @@ def test_a_process_with_no_live_environment_still_generates_while_others_play():
         assert len(rollout.steps) == 5  # the dummy prompts' answers are dropped
 
 
+def test_a_process_without_tasks_makes_the_generation_calls_of_the_turns_others_play():
+    """A process that sits a round of dynamic sampling out plays nothing, and generates the dummy prompt at every turn
+    in which another process still has live environments (here 3, then 2, then none)."""
+    generate = ScriptedGenerator(walk_right_but_copy_1_starts_left)
+    live_elsewhere = iter([3, 2, 0])
+    with EnvPool(Corridor, num_groups=1, group_size=2, processes=False) as pool:
+        rollout = collect_rollout(pool, [], generate, max_env_steps=5, show_progress=False,
+                                  max_across_processes=lambda live: max(live, next(live_elsewhere)))
+
+    assert generate.calls == [[DUMMY_PROMPT], [DUMMY_PROMPT]]
+    assert rollout.episodes == [] and len(rollout.steps) == 0 and rollout.num_groups == 0
+    assert rollout.generate_calls == 2
+
+
 def test_an_environment_that_fails_ends_only_its_own_trajectory():
     def answer(observation, step, position):
         return "<action>raise</action>" if position == 0 and step == 1 else "<action>right</action>"

@@ -14,6 +14,7 @@ from toy_tool_envs import GuessTheNumber, IncrementEnv, guess_reward
 from trainer_helpers import cpu_config
 from trl import GRPOConfig, GRPOTrainer
 
+from gigpo_trl.dynamic_sampling import extra_task_rows
 from gigpo_trl.recipe import train_and_report
 from gigpo_trl.records import read_evaluations, read_iterations, read_trajectories
 from gigpo_trl.trainer import GiGPOTrainer
@@ -135,6 +136,31 @@ def test_a_class_without_won_logs_no_success_rate_anywhere_while_its_returns_are
     assert "success not reported" in (outcome.report / "index.html").read_text()
     assert ("Held-out success rate: success not reported by the environment (no `won`); mean return 1 before training "
             "-> 1 after") in capsys.readouterr().out
+
+
+def test_dynamic_sampling_plays_further_dataset_rows_with_fresh_seeds_each_round(tmp_path, tool_model_path):
+    """Undiscounted (gamma 1), every copy of every counter reaches its target and every step value ties: no task group
+    has a signal, and the iteration plays its 2 extra rounds. Their rows come from the training set (4 rows: every
+    round draws all of them again), and every task gets a fresh seed, as TRL's environments draw at every reset."""
+    def sampled_tasks() -> tuple[list, list, dict]:
+        trainer = ScriptedToolTrainer(tool_model_path, args=tool_config(tmp_path, gamma=1.0, dynamic_sampling_max_rounds=2),
+                                      train_dataset=rows(4), environment_factory=IncrementEnv)
+        trainer.train()
+        trainer.close_environments()
+        groups = trainer.last_rollout.episodes[::2]  # the first copy of each task
+        (log,) = [entry for entry in trainer.state.log_history if "env/step_samples" in entry]
+        return [episode.seed for episode in groups], [episode.options["prompt"] for episode in groups], log
+
+    seeds, prompts, log = sampled_tasks()
+
+    assert (log["dynamic_sampling/extra_rounds"], log["dynamic_sampling/groups_rolled"],
+            log["dynamic_sampling/groups_kept"], log["dynamic_sampling/groups_missing"]) == (2, 12, 0, 4)
+    dataset_prompts = rows(4)["prompt"]
+    for round_ in (1, 2):
+        drawn = extra_task_rows(4, 4, seed=0, step=0, process=0, round_=round_)
+        assert prompts[4 * round_ : 4 * round_ + 4] == [dataset_prompts[row] for row in drawn]
+    assert len(set(seeds)) == 12  # the same 4 rows in every round, a fresh seed for each task
+    assert sampled_tasks()[:2] == (seeds, prompts)  # and the same draw again in a run with the same seed
 
 
 def increment(step: int) -> str:

@@ -291,3 +291,19 @@ def test_a_trl_environment_class_plays_its_tool_calls_through_vllm(tmp_path, mak
     assert all(len(c.logprobs) == len(c.completion_ids) and all(math.isfinite(lp) for lp in c.logprobs)
                for c in steps.completion)
     assert vllm_problems(sampling_figures(training_logs(trainer)), tolerance=SYNC_TOLERANCE) == []
+
+
+def test_dynamic_sampling_plays_its_extra_rounds_through_vllm_and_trains_on_what_it_has(tmp_path, vllm_model_path):
+    # The treasure of the 9 rooms is 4 rooms away and 3 steps are allowed: no group ever has a signal, so every
+    # iteration plays its 2 extra rounds, then trains on zero-weight rows (vLLM's NaN log-prob stand-ins included).
+    config = vllm_config(tmp_path, env_name="rooms", max_env_steps=3, max_steps=2, invalid_action_penalty=0.0,
+                         dynamic_sampling_max_rounds=2)
+    trainer = train(vllm_model_path, config)
+
+    rollout = trainer.last_rollout
+    assert rollout.generate_calls == 3 * 3 and len(rollout.episodes) == 3 * 8  # 3 rounds of 3 turns, 4 tasks x 2 copies
+    assert all(len(c.logprobs) == len(c.completion_ids) and all(math.isfinite(lp) for lp in c.logprobs)
+               for c in rollout.steps.completion)  # every round generated with vLLM
+    for entry in training_logs(trainer):
+        assert entry["dynamic_sampling/extra_rounds"] == 2 and entry["dynamic_sampling/groups_kept"] == 0
+        assert entry["gigpo/update_step_samples"] == 0 and entry["loss"] == 0.0

@@ -104,3 +104,14 @@ class BadAnchorOnRank1(Corridor):
         if os.environ.get("RANK") == "1":
             info["anchor"] = list(info["anchor"])
         return info
+
+
+class UnwinnableOnRank1(Corridor):
+    """On the process of rank 1 of a distributed run, every corridor is 40 cells long, whatever its task: no copy
+    finishes one within a short step limit, so that process's task groups carry no signal, in every round."""
+
+    def reset(self, *, seed=None, options=None):
+        if os.environ.get("RANK") == "1":
+            options = {**(options or {}), "length": 40}
+        return super().reset(seed=seed, options=options)
+

@@ -1,0 +1,148 @@
+"""Dynamic sampling (DAPO, arXiv 2503.14476, section 3.2; GIGPO_SPEC.md section 6): every update learns.
+
+A task group carries no signal when the advantage `A = A_E + omega * A_S` of every one of its step samples is 0: it
+costs its rollout and its share of the update, and adds nothing to the policy gradient. The advantages decide, not the
+returns alone, so that exactly those groups are left out:
+- typically every copy got the same return with the same invalid-answer penalties (every `A_E` is 0) and every step
+  group holds equal step values (every `A_S` is 0), as when no copy won;
+- a group whose copies all won, some sooner, keeps a step signal when gamma < 1 (the sooner copies' steps have the
+  larger returns-to-go) and is kept; copies with the same return but different invalid answers keep an episode signal;
+- with omega = 0 (step-wise GRPO) only `A_E` counts;
+- a group left with a single scored element (its other copies failed at reset; `num_generations` is at least 2)
+  keeps its raw score as its advantage (GIGPO_SPEC.md section 3), so it is kept when that score is not 0;
+- a group without any step sample (every copy failed at reset) has nothing to train on and is dropped.
+The group normalizations give exact zeros for equal values, so "is 0" is an exact test. Dynamic sampling never
+changes the advantage of a sample that reaches the update.
+
+After a training rollout, each process drops its groups without signal and plays extra rounds of further tasks, drawn
+from the training set, as many tasks a round as its first rollout had, until it holds that many groups with a signal
+or `dynamic_sampling_max_rounds` extra rounds were played; the update then trains on what it has. Groups with a signal
+beyond that number are left out as well (DAPO's rule: the update keeps its configured size). Every process plays the
+same rounds, decided together after each one, so generation stays in lock-step: a process that already holds enough
+plays no task in a round and only makes the generation calls of the others' turns; one that holds none at the limit
+trains on zero-weight rows. Nothing here imports torch or the trainer.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields
+
+import numpy as np
+
+from gigpo_trl.advantages import GiGPOAdvantages
+from gigpo_trl.rollout import Rollout, concatenate_rollouts
+
+
+@dataclass(frozen=True)
+class SamplingCounts:
+    """What dynamic sampling did in an iteration: task groups rolled = kept + dropped + surplus, and the groups asked
+    for = kept + missing. Counts add up over processes; the extra rounds are the same on every process and their time
+    (rollouts and advantages) is the slowest process's."""
+
+    groups_rolled: int  # played, every round
+    groups_kept: int  # reach the update
+    groups_dropped: int  # no signal: every step sample's advantage is 0
+    groups_surplus: int  # a signal, but found after enough others: left out
+    groups_missing: int  # the update holds this many fewer groups than asked: the limit was reached
+    extra_rounds: int
+    extra_rollout_s: float
+
+    @classmethod
+    def combine(cls, parts: Sequence[SamplingCounts]) -> SamplingCounts:
+        """The counts of an iteration over all processes, from each process's."""
+        counts = {f.name: sum(getattr(part, f.name) for part in parts) for f in fields(cls) if f.name.startswith("groups_")}
+        return cls(**counts, extra_rounds=max(part.extra_rounds for part in parts),
+                   extra_rollout_s=max(part.extra_rollout_s for part in parts))
+
+    def as_metrics(self, prefix: str = "dynamic_sampling/") -> dict[str, float]:
+        """The counts as a flat `{prefix + name: float}` dict, ready for a logger."""
+        return {prefix + f.name: float(getattr(self, f.name)) for f in fields(self)}
+
+
+@dataclass
+class SampledGroups:
+    """The outcome of dynamic sampling on one process."""
+
+    rollout: Rollout  # every round's, one after the other (`concatenate_rollouts`)
+    advantages: GiGPOAdvantages  # of every step sample of `rollout`
+    samples: list[int]  # the step samples of the kept groups: those that may become rows of the update
+    counts: SamplingCounts
+
+
+def groups_with_signal(groups: Sequence[int], advantages: np.ndarray) -> list[int]:
+    """The task groups of which some step sample has a nonzero advantage, in increasing order.
+
+    Args:
+        groups: int [n], the task group of each step sample.
+        advantages: float [n], each sample's advantage `A = A_E + omega * A_S`.
+    """
+    signal = np.asarray(advantages) != 0
+    return np.unique(np.asarray(groups, dtype=np.int64)[signal]).tolist()
+
+
+def extra_task_rows(num_rows: int, count: int, *, seed: int, step: int, process: int, round_: int) -> list[int]:
+    """The training-set rows of the tasks of extra round `round_` (1, 2, ...): the round's `count` consecutive entries
+    of a permutation of the `num_rows` rows drawn by a generator seeded with the run's seed, the global step and the
+    process index. So a run draws the same tasks whenever it reaches the same step, after a resume too, TRL's sampler
+    is left alone, and the rounds of an iteration repeat no row before every row was drawn (the first rollout's tasks,
+    TRL's draw, may come up again)."""
+    order = np.random.default_rng([seed, step, process]).permutation(num_rows)
+    start = (round_ - 1) * count
+    return [int(order[(start + k) % num_rows]) for k in range(count)]
+
+
+def sample_groups(
+    rollout: Rollout,
+    advantages: GiGPOAdvantages,
+    play_round: Callable[[int, bool], Rollout],
+    score: Callable[[Rollout], GiGPOAdvantages],
+    *,
+    max_rounds: int,
+    max_across_processes: Callable[[int], int] = lambda n: n,
+) -> SampledGroups:
+    """Keep this process's groups with a signal, playing extra rounds until it holds as many as its first rollout's
+    tasks, or `max_rounds` extra rounds (see the module docstring).
+
+    Args:
+        rollout, advantages: the iteration's first rollout and its advantages; its task count is the groups asked for.
+        play_round: `play_round(k, needed)` plays extra round k (1, 2, ...) and returns its rollout: as many further
+            tasks as the first rollout's when `needed`, else none (this process holds enough; it only generates in
+            lock-step with the others).
+        score: the advantages of a rollout (`compute_gigpo_advantages` of its step columns).
+        max_rounds: extra rounds at most (`dynamic_sampling_max_rounds`).
+        max_across_processes: the maximum of an int over all processes (identity on one process): a round is played
+            while any process lacks groups, by every process.
+
+    Returns:
+        Every round's rollout and advantages as one, the step samples of the kept groups, and the counts.
+    """
+    asked = rollout.num_groups
+    rollouts, scores, kept, with_signal = [], [], [], 0
+    extra_seconds = 0.0
+    while True:
+        offset = sum(part.num_groups for part in rollouts)
+        signal = groups_with_signal(rollout.steps.group, advantages.advantages)
+        kept += [offset + group for group in signal[: asked - len(kept)]]
+        with_signal += len(signal)
+        rollouts.append(rollout)
+        scores.append(advantages)
+        extra_rounds = len(rollouts) - 1
+        if extra_rounds == max_rounds or max_across_processes(asked - len(kept)) == 0:
+            break
+        started = time.perf_counter()
+        rollout = play_round(extra_rounds + 1, len(kept) < asked)
+        advantages = score(rollout)
+        extra_seconds += time.perf_counter() - started
+
+    merged = concatenate_rollouts(rollouts)
+    kept_groups = set(kept)
+    rolled = merged.num_groups
+    counts = SamplingCounts(
+        groups_rolled=rolled, groups_kept=len(kept), groups_dropped=rolled - with_signal,
+        groups_surplus=with_signal - len(kept), groups_missing=asked - len(kept), extra_rounds=extra_rounds,
+        extra_rollout_s=extra_seconds,
+    )
+    samples = [k for k, group in enumerate(merged.steps.group) if group in kept_groups]
+    return SampledGroups(merged, GiGPOAdvantages.concatenate(scores), samples, counts)
