@@ -18,7 +18,7 @@ import json
 
 import pytest
 import torch
-from launchers import finished_run, torchrun
+from launchers import finished_run, run_script, torchrun
 from optional_packages import require
 from test_distributed import SAME_STATISTICS
 
@@ -164,3 +164,15 @@ def test_zero3_checkpoint_resumes_at_its_step_with_its_weights(zero3, zero3_resu
     final, expected = parameters(zero3_resumed)["after"], parameters(zero3)["after"]
     assert final.keys() == expected.keys()
     assert all(torch.equal(final[name], expected[name]) for name in expected)
+
+
+def test_a_deepspeed_launch_with_accelerate_use_cpu_set_stops_at_once_saying_what_to_change(
+        tmp_path, tiny_model_path, monkeypatch):
+    # accelerate would turn DeepSpeed off with ACCELERATE_USE_CPU after ZeRO-3 loaded the model split across the
+    # processes: the first generation failed with "Padding_idx must be within num_embeddings" (ZeRO-2 would train as
+    # plain data parallelism). GiGPOConfig refuses the launch instead.
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "true")
+    result = run_script(deepspeed_launcher(3, num_processes=2, mixed_precision="no"), tiny_model_path, str(tmp_path))
+    assert result.returncode != 0
+    assert "ACCELERATE_USE_CPU=true in the environment turns DeepSpeed off" in result.stderr
+    assert "unset ACCELERATE_USE_CPU" in result.stderr
