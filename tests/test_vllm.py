@@ -11,23 +11,22 @@ missing vLLM is an error instead, so that a broken install cannot pass as skippe
 from __future__ import annotations
 
 import gc
-import importlib.util
 import math
 import os
 
 import pytest
 import torch
+from optional_packages import require
 
-if importlib.util.find_spec("vllm") is None:
-    if os.environ.get("GIGPO_TRL_REQUIRE_VLLM") == "1":
-        raise ImportError("GIGPO_TRL_REQUIRE_VLLM=1 but vllm is not installed (docs/gpu.md, 'vLLM on CPU')")
-    pytest.skip("needs vllm (docs/gpu.md, 'vLLM on CPU')", allow_module_level=True)
+require("vllm", "GIGPO_TRL_REQUIRE_VLLM", "docs/gpu.md, 'vLLM on CPU'")
 
 from datasets import Dataset  # noqa: E402
+from launchers import TESTS, finished_run  # noqa: E402
 from toy_tool_envs import IncrementEnv  # noqa: E402
-from trainer_helpers import parameters, settings_config  # noqa: E402
+from trainer_helpers import parameters  # noqa: E402
+from vllm_helpers import CUDA, train, training_logs, vllm_config  # noqa: E402
 
-from bench.gpu_check import sampling_figures, vllm_problems  # noqa: E402
+from bench.gpu_check import deepspeed_launcher, sampling_figures, vllm_problems  # noqa: E402
 from bench.vllm_cpu import CPU_ENGINE_ENVIRONMENT, keep_weights_for_sync  # noqa: E402
 from gigpo_trl.batch import importance_sampling_ratio  # noqa: E402
 from gigpo_trl.tasks import task_dataset  # noqa: E402
@@ -35,7 +34,6 @@ from gigpo_trl.trainer import GiGPOTrainer  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
-CUDA = torch.cuda.is_available()
 # Mean |vLLM - trainer| log-prob per sampled token at every iteration. Measured on CPU with this module's settings:
 # about 0.001 when vLLM generates with the trainer's weights (vLLM computes in bf16, the trainer in fp32), 0.19 to
 # 0.40 when the sync is skipped, and 0.09 to 0.14 when only the linear layers are kept loadable (the tied LM head
@@ -72,29 +70,6 @@ def one_engine_at_a_time():
 @pytest.fixture(scope="module")
 def vllm_model_path(make_tiny_model) -> str:
     return make_tiny_model("vllm-tiny-model", hidden_size=128)
-
-
-def vllm_config(tmp_path, **overrides):
-    """`settings_config` (2 Sokoban tasks x 2 copies, 8-token answers, 2 micro-batches), 3 turns, generating with
-    vLLM colocate, 3 updates at a learning rate that moves the tiny policy (0.2 to 0.4 per token and update)."""
-    return settings_config(tmp_path, **{
-        "use_vllm": True, "vllm_mode": "colocate", "max_env_steps": 3, "max_steps": 3, "learning_rate": 1e-2,
-        "bf16": CUDA, **overrides})
-
-
-def train(model: str, config, *, skip_sync: bool = False, **kwargs) -> GiGPOTrainer:
-    """Train a GiGPOTrainer on Sokoban tasks; `skip_sync` sabotages TRL's weight sync (vLLM keeps the first weights)."""
-    trainer = GiGPOTrainer(model, args=config, train_dataset=task_dataset(range(16)), **kwargs)
-    if skip_sync:
-        trainer.vllm_generation.sync_weights = lambda: None
-    trainer.train()
-    trainer.close_environments()
-    return trainer
-
-
-def training_logs(trainer: GiGPOTrainer) -> list[dict]:
-    """The log entry of every training iteration (an environment without `won` logs no success rate)."""
-    return [entry for entry in trainer.state.log_history if "env/step_samples" in entry]
 
 
 def test_colocate_rollouts_generate_every_turn_with_vllm_and_its_logprobs_reach_the_batch(tmp_path, vllm_model_path):
@@ -179,6 +154,23 @@ def test_vllm_generates_with_the_updated_weights_after_every_update_and_a_skippe
     assert len(problems) == 1 and "differ from the trainer's" in problems[0]
     first_stale, first_synced = (f["sampling/sampling_logp_difference/mean"][0] for f in (stale_figures, synced_figures))
     assert first_stale == pytest.approx(first_synced)  # before any update both engines hold the same weights
+
+
+@pytest.mark.timeout(1800)
+def test_zero3_with_two_processes_syncs_its_gathered_weights_to_vllm_after_every_update(tmp_path, vllm_model_path):
+    # `accelerate launch` with the ZeRO-3 recipe, 2 processes, each with its colocated engine: TRL gathers the sharded
+    # parameters (a collective of both processes) and loads them into each engine, at every update.
+    require("deepspeed", "GIGPO_TRL_REQUIRE_DEEPSPEED", "docs/gpu.md, 'vLLM on CPU'")
+    launcher = deepspeed_launcher(3, num_processes=2, mixed_precision="bf16" if CUDA else "no")
+    synced, stale = (finished_run(launcher, vllm_model_path, tmp_path / name, *options, script=TESTS / "vllm_run.py",
+                                  timeout=900) for name, options in (("synced", ()), ("stale", ("--skip-sync",))))
+
+    assert (synced["processes"], synced["engine"], synced["zero_stage"]) == (2, "DeepSpeedEngine", 3)
+    assert all(held < synced["elements_total"] for held in synced["elements_held"])  # each process holds a shard
+    synced_figures, stale_figures = (sampling_figures(run["logs"]) for run in (synced, stale))
+    assert vllm_problems(synced_figures, tolerance=SYNC_TOLERANCE) == []
+    problems = vllm_problems(stale_figures, tolerance=SYNC_TOLERANCE)  # vLLM kept the first weights: caught
+    assert len(problems) == 1 and "differ from the trainer's" in problems[0]
 
 
 def test_lora_trains_only_the_adapter_under_vllm(tmp_path, vllm_model_path):
