@@ -20,11 +20,13 @@ def vllm_config(tmp_path, **overrides) -> GiGPOConfig:
         "bf16": CUDA, **overrides})
 
 
-def train(model: str, config: GiGPOConfig, *, skip_sync: bool = False, **kwargs) -> GiGPOTrainer:
-    """Train a GiGPOTrainer on Sokoban tasks; `skip_sync` sabotages TRL's weight sync (vLLM keeps the first weights)."""
+def train(model: str, config: GiGPOConfig, *, skip_sync_from: int | None = None, **kwargs) -> GiGPOTrainer:
+    """Train a GiGPOTrainer on Sokoban tasks; `skip_sync_from` sabotages TRL's weight sync from that global step on
+    (0: vLLM keeps the first weights)."""
     trainer = GiGPOTrainer(model, args=config, train_dataset=task_dataset(range(16)), **kwargs)
-    if skip_sync:
-        trainer.vllm_generation.sync_weights = lambda: None
+    if skip_sync_from is not None:
+        sync = trainer.vllm_generation.sync_weights
+        trainer.vllm_generation.sync_weights = lambda: None if trainer.state.global_step >= skip_sync_from else sync()
     trainer.train()
     trainer.close_environments()
     return trainer
