@@ -438,14 +438,18 @@ def check_train(options, log, **kwargs) -> dict:
     return run_worker("train", {"model": options.model, "max_steps": options.steps, **kwargs}, options.timeout or 600, log=log)
 
 
-def deepspeed_launcher(stage: int) -> list[str]:
-    """`accelerate launch` with the recipe's DeepSpeed ZeRO-`stage` config on every GPU present."""
+def deepspeed_launcher(stage: int, num_processes: int | None = None, mixed_precision: str | None = None) -> list[str]:
+    """`accelerate launch` (this Python's) with the recipe's DeepSpeed ZeRO-`stage` config: `num_processes` processes
+    (default: one per GPU present), the config's mixed precision (bf16) unless `mixed_precision` is given."""
     import torch
 
-    accelerate = ["accelerate"] if shutil.which("accelerate") else [sys.executable, "-m", "accelerate.commands.launch"]
-    return [*accelerate, *(["launch"] if accelerate == ["accelerate"] else []),
+    num_processes = num_processes or torch.cuda.device_count()
+    if num_processes < 1:
+        raise ValueError("no CUDA GPU to give each process one: pass num_processes (without a GPU every process trains "
+                         "on the CPU, gloo between them)")
+    return [sys.executable, "-m", "accelerate.commands.launch",
             "--config_file", str(REPO / f"recipes/accelerate/deepspeed_zero{stage}.yaml"),
-            "--num_processes", str(torch.cuda.device_count())]
+            "--num_processes", str(num_processes), *(["--mixed_precision", mixed_precision] if mixed_precision else [])]
 
 
 def check_deepspeed(options, log, stage: int) -> dict:

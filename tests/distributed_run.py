@@ -1,10 +1,16 @@
-"""Launched by tests/test_distributed.py with torchrun: a short scripted GiGPO run whose tasks make the
-processes' episodes very uneven; the main process writes the process count and the logged metrics as JSON.
+"""Launched by tests/test_distributed.py (torchrun) and tests/test_deepspeed.py (`accelerate launch` with the
+recipes' DeepSpeed configs): a short scripted GiGPO run whose tasks make the processes' episodes very uneven; the
+main process writes what the run did as JSON (metrics.json) and every parameter before and after training
+(parameters.pt, ZeRO-3 shards gathered).
 
-    python -m torch.distributed.run --nproc_per_node 2 tests/distributed_run.py MODEL_DIR OUTPUT_DIR [ENV_NAME]
+    python -m torch.distributed.run --nproc_per_node 2 tests/distributed_run.py MODEL_DIR OUTPUT_DIR [ENV_NAME] [options]
+    accelerate launch --config_file recipes/accelerate/deepspeed_zero3.yaml --num_processes 2 --mixed_precision no \\
+        tests/distributed_run.py MODEL_DIR OUTPUT_DIR [ENV_NAME] [options]
 
-After training it evaluates a panel of 3 corridors of lengths 3, 20 and 3 (20 cannot be won in max_env_steps),
-two tasks per process and batch: the evaluation dataloader plays a task twice to fill the batches.
+Each rollout plays 4 corridor tasks x 2 copies, 2 tasks per process with 2 processes: by default the first two
+(process 0) are 3-cell corridors, the last two (process 1) 12-cell ones (--lengths changes them). After training it
+evaluates a panel of 3 corridors of lengths 3, 20 and 3 (20 cannot be won in max_env_steps), two tasks per process
+and batch: the evaluation dataloader plays a task twice to fill the batches. Training is in fp32 on every machine.
 
 ENV_NAME "bad_anchor_on_rank_1" makes the process of rank 1 alone raise in its first rollout. ENV_NAME
 "tool_counter" trains TRL's counter environment class (tests/toy_tool_envs.py) instead, from rows in TRL's shape
@@ -13,16 +19,22 @@ dynamic sampling (2 extra rounds at most, no invalid-answer penalty) on corridor
 finish (tests/toy_envs.py), without evaluation: its groups carry no signal in any round.
 """
 
+from __future__ import annotations
+
+import argparse
 import json
 import os
-import sys
 from pathlib import Path
 
+import torch
+from accelerate.utils import gather_object
 from datasets import Dataset
 from scripted_policy import ScriptedToolTrainer, ScriptedTrainer
 from toy_envs import BadAnchorOnRank1, Corridor, UnwinnableOnRank1
 from toy_tool_envs import IncrementEnv
+from trainer_helpers import backend_facts
 
+from bench.gpu_check import parameter_snapshot
 from gigpo_trl.config import GiGPOConfig
 from gigpo_trl.envs import register_env
 from gigpo_trl.tasks import task_dataset
@@ -30,44 +42,77 @@ from gigpo_trl.tasks import task_dataset
 TRAJECTORIES = 8  # per rollout, over all processes: 4 tasks x 2 copies
 
 
-def main(model_dir: str, output_dir: str, env_name: str = "corridor") -> None:
+def main(options: argparse.Namespace) -> None:
     register_env("corridor", Corridor, overwrite=True)
     register_env("bad_anchor_on_rank_1", BadAnchorOnRank1, overwrite=True)
     register_env("unwinnable_on_rank_1", UnwinnableOnRank1, overwrite=True)
-    sampling = {"dynamic_sampling_max_rounds": 2, "invalid_action_penalty": 0.0} if env_name == "unwinnable_on_rank_1" else {}
+    sampling = ({"dynamic_sampling_max_rounds": 2, "invalid_action_penalty": 0.0}
+                if options.env_name == "unwinnable_on_rank_1" else {})
     config = GiGPOConfig(
-        output_dir=output_dir, env_name=env_name, num_generations=2, steps_per_generation=1,
+        output_dir=options.output_dir, env_name=options.env_name, num_generations=2, steps_per_generation=1,
         gradient_accumulation_steps=1, per_device_train_batch_size=TRAJECTORIES // _world_size(),
         max_steps=2, max_env_steps=15, max_completion_length=8, learning_rate=1e-3, logging_steps=1,
-        report_to=[], save_strategy="no", gradient_checkpointing=False, shuffle_dataset=False, seed=0,
-        per_device_eval_batch_size=4, **sampling,
+        report_to=[], gradient_checkpointing=False, shuffle_dataset=False, seed=0, per_device_eval_batch_size=4,
+        bf16=False, beta=options.beta, **sampling,
+        **({"save_strategy": "steps", "save_steps": options.save_steps} if options.save_steps else {"save_strategy": "no"}),
     )
-    # In each rollout the first two tasks (process 0 with 2 processes) are 3-cell corridors, the last two
-    # (process 1) 12-cell ones: 2-3 steps against 11-12 steps.
-    lengths = [3, 3, 12, 12] * 2
-    if env_name == "tool_counter":
+    peft_config = None
+    if options.lora:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM")
+    lengths = options.lengths * 2  # two rollouts
+    if options.env_name == "tool_counter":
         prompts = [[{"role": "user", "content": f"Task {k}."}] for k in range(len(lengths))]
-        trainer = ScriptedToolTrainer(model_dir, args=config, train_dataset=Dataset.from_dict({"prompt": prompts}),
+        trainer = ScriptedToolTrainer(options.model_dir, args=config, train_dataset=Dataset.from_dict({"prompt": prompts}),
                                       environment_factory=IncrementEnv)
-        trainer.train()
-        evaluation = {}
     else:
         dataset = task_dataset(range(len(lengths)), options=[{"length": n} for n in lengths])
         panel = task_dataset([100, 101, 102], options=[{"length": n} for n in (3, 20, 3)])
-        trainer = ScriptedTrainer(model_dir, args=config, train_dataset=dataset, eval_dataset=panel)
-        trainer.train()
-        evaluation = {} if sampling else trainer.evaluate()
+        trainer = ScriptedTrainer(options.model_dir, args=config, train_dataset=dataset, eval_dataset=panel,
+                                  peft_config=peft_config)
+    before = parameter_snapshot(trainer.model)
+    trainer.train(resume_from_checkpoint=options.resume_from)
+    after = parameter_snapshot(trainer.model)
+    rollouts = {"train": rollout_facts(trainer)}
+    evaluation = {}
+    if options.env_name != "tool_counter" and not sampling:
+        evaluation = trainer.evaluate()
+        rollouts["eval"] = rollout_facts(trainer)
     trainer.close_environments()
+    backend = backend_facts(trainer)
     if trainer.accelerator.is_main_process:
         logs = [entry for entry in trainer.state.log_history if "env/step_samples" in entry]  # one per rollout
-        processes = trainer.accelerator.num_processes
-        Path(output_dir, "metrics.json").write_text(json.dumps({"processes": processes, "logs": logs,
-                                                                "evaluation": evaluation}))
+        Path(options.output_dir, "metrics.json").write_text(json.dumps({
+            "processes": trainer.accelerator.num_processes, "logs": logs, "evaluation": evaluation, "rollouts": rollouts,
+            **backend}))
+        torch.save({"before": before, "after": after}, Path(options.output_dir, "parameters.pt"))
+
+
+def rollout_facts(trainer: ScriptedTrainer) -> dict:
+    """Per process, of its latest rollout: the length of each of its episodes and the generation calls it made."""
+    rollout = trainer.last_rollout
+    return {"episode_lengths": gather_object([[episode.length for episode in rollout.episodes]]),
+            "generate_calls": gather_object([rollout.generate_calls])}
 
 
 def _world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))  # a PartialState made here would fix the device before the config
 
 
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model_dir")
+    parser.add_argument("output_dir")
+    parser.add_argument("env_name", nargs="?", default="corridor")
+    parser.add_argument("--lengths", type=int, nargs=4, default=[3, 3, 12, 12],
+                        help="corridor lengths of a rollout's 4 tasks, the first two on process 0 (of 2)")
+    parser.add_argument("--beta", type=float, default=0.0, help="KL coefficient (> 0: a reference model)")
+    parser.add_argument("--lora", action="store_true", help="train a LoRA adapter (r 8, all linear layers)")
+    parser.add_argument("--save-steps", type=int, default=None, help="save a checkpoint every this many steps")
+    parser.add_argument("--resume-from", default=None, help="a checkpoint folder to resume training from")
+    return parser.parse_args()
+
+
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(parse_args())

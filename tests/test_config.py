@@ -47,6 +47,36 @@ def test_an_unset_bf16_follows_the_cpus_bf16_instructions_and_an_explicit_choice
     assert cpu_config(tmp_path).bf16 is False
 
 
+@pytest.mark.skipif(not config_module._cpu_only(), reason="the CPU default applies to machines without an accelerator")
+def test_under_a_deepspeed_launch_an_unset_bf16_follows_the_launch_not_the_cpu(tmp_path, monkeypatch):
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")
+    monkeypatch.setattr(config_module, "_cpu_has_bf16_instructions", lambda: True)
+    assert GiGPOConfig(output_dir=str(tmp_path), report_to=[]).bf16 is False  # not the CPU's auto choice, bf16
+
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")  # the recipes' DeepSpeed configs
+    monkeypatch.setattr(config_module, "_cpu_has_bf16_instructions", lambda: False)
+    with pytest.warns(UserWarning, match="about 10x slower than fp32 here; accelerate launch --mixed_precision no"):
+        launched = GiGPOConfig(output_dir=str(tmp_path), report_to=[])
+    assert launched.bf16 is True and launched.use_cpu is True
+
+
+@pytest.mark.parametrize(("launch", "bf16", "message"), [
+    ({"ACCELERATE_USE_CPU": "true"}, None, "ACCELERATE_USE_CPU=true in the environment turns DeepSpeed off"),
+    ({"ACCELERATE_MIXED_PRECISION": "bf16"}, False,
+     "bf16=False, but the DeepSpeed launch trains with mixed_precision=bf16 .* launch with --mixed_precision no"),
+    ({"ACCELERATE_MIXED_PRECISION": "no"}, True,
+     "bf16=True, but the DeepSpeed launch trains with mixed_precision=no .* launch with --mixed_precision bf16"),
+])
+def test_a_deepspeed_launch_the_config_contradicts_is_refused_with_what_to_change(
+        tmp_path, monkeypatch, launch, bf16, message):
+    # What `accelerate launch --config_file recipes/accelerate/deepspeed_zero3.yaml` puts in each process's environment
+    for name, value in {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_MIXED_PRECISION": "bf16", **launch}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=message):
+        GiGPOConfig(output_dir=str(tmp_path), report_to=[], bf16=bf16)
+
+
 @pytest.mark.skipif(not Path("/proc/cpuinfo").is_file(), reason="reads the CPU's flags from /proc/cpuinfo")
 def test_the_bf16_probe_agrees_with_the_cpus_flags():
     flags = set(Path("/proc/cpuinfo").read_text().split())

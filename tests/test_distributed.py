@@ -6,13 +6,10 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from launchers import finished_run, run_script, torchrun
 
-SCRIPT = Path(__file__).with_name("distributed_run.py")
 SAME_STATISTICS = [
     "env/success_rate", "env/episode_length_mean", "env/truncated_share", "env/invalid_action_rate", "env/step_samples",
     "gigpo/singleton_share", "gigpo/step_group_size_mean", "gigpo/step_group_size_max",
@@ -20,15 +17,9 @@ SAME_STATISTICS = [
 ]
 
 
-def torchrun(num_processes: int, *arguments: str, timeout: float = 400) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(num_processes), str(SCRIPT), *arguments]
-    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=SCRIPT.parent)
-
-
-def launch(num_processes: int, model_dir: str, output_dir: Path, env_name: str = "corridor") -> tuple[list[dict], dict]:
-    result = torchrun(num_processes, model_dir, str(output_dir), env_name)
-    assert result.returncode == 0, result.stderr[-4000:]
-    written = json.loads((output_dir / "metrics.json").read_text())
+def launch(num_processes: int, model_dir: str, output_dir, *options: str) -> tuple[list[dict], dict]:
+    """tests/distributed_run.py under torchrun: its logs (one per rollout) and evaluation; `options` as its command line's."""
+    written = finished_run(torchrun(num_processes), model_dir, output_dir, *options)
     assert written["processes"] == num_processes
     return written["logs"], written["evaluation"]
 
@@ -62,7 +53,7 @@ def test_two_processes_with_uneven_episodes_finish_and_match_one_process(tmp_pat
 def test_an_error_on_one_process_ends_every_process_promptly_with_the_message(tmp_path, tiny_model_path):
     # A process left waiting in a collective would wait for gloo's 30-minute timeout; torchrun's 240 s limit
     # (subprocess.TimeoutExpired) fails the test long before that.
-    result = torchrun(2, tiny_model_path, str(tmp_path), "bad_anchor_on_rank_1", timeout=240)
+    result = run_script(torchrun(2), tiny_model_path, str(tmp_path), "bad_anchor_on_rank_1", timeout=240)
 
     assert result.returncode != 0
     assert "environment 'bad_anchor_on_rank_1': info['anchor'] must be hashable" in result.stderr
@@ -74,7 +65,7 @@ def test_two_processes_complete_iterations_in_which_one_process_s_groups_were_al
     # Rank 1's corridors cannot be finished (tests/toy_envs.py, UnwinnableOnRank1): with dynamic sampling it plays its 2
     # extra rounds while rank 0, whose 3-cell corridors carry a signal, generates with it; then rank 1 trains on
     # zero-weight rows and rank 0 on its own samples.
-    result = torchrun(2, tiny_model_path, str(tmp_path), "unwinnable_on_rank_1")
+    result = run_script(torchrun(2), tiny_model_path, str(tmp_path), "unwinnable_on_rank_1")
 
     assert result.returncode == 0, result.stderr[-4000:]
     logs = json.loads((tmp_path / "metrics.json").read_text())["logs"]

@@ -40,3 +40,9 @@ def test_relative_links_lead_to_files_that_exist(page):
     targets = [t.split("#")[0] for t in re.findall(r"\]\(([^)\s]+)\)", text) if "://" not in t and not t.startswith("#")]
     missing = [t for t in targets if t and not ((ROOT / page).parent / t).exists()]
     assert missing == []
+
+
+def test_the_readme_is_a_first_read_with_exactly_its_two_set_up_commands():
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme) < 16_000  # what a newcomer needs first; reference material goes to docs/
+    assert re.findall(r"<!-- ([a-z-]+-command) -->", readme) == ["main-command", "test-command"]

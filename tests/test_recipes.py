@@ -1,5 +1,6 @@
 """The recipes: every YAML config parses into the script's arguments (and its GRPO baseline is the same config with
-`--step_advantage_weight 0`), and the script trains end to end on one and on two CPU processes."""
+`--step_advantage_weight 0`), and the script trains end to end on one and on two CPU processes (torchrun, and
+`accelerate launch` with the DeepSpeed ZeRO-3 recipe)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ from pathlib import Path
 
 import pytest
 import yaml
+from optional_packages import require
 from trl import ModelConfig, TrlParser
 
+from bench.gpu_check import deepspeed_launcher
 from gigpo_trl.config import GiGPOConfig
 from gigpo_trl.env_checker import check_env
 from gigpo_trl.envs import make_env, registered_envs
@@ -95,6 +98,20 @@ def test_the_recipe_runs_on_two_cpu_processes_under_torchrun(tmp_path, tiny_mode
     assert "GiGPO on 2 process(es), cpu" in result.stdout
     assert "Held-out success rate" in result.stdout
     assert (tmp_path / "report" / "index.html").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_recipe_runs_on_two_cpu_processes_under_deepspeed_zero3(tmp_path, tiny_model_path):
+    # The user's launch: evaluation before training (on the engine train() prepared: an evaluate() before train() left
+    # transformers an engine without an optimizer), training, evaluation, the model saved from ZeRO-3's shards.
+    require("deepspeed", "GIGPO_TRL_REQUIRE_DEEPSPEED", "pip install -c constraints.txt -e '.[deepspeed]'")
+    result = run_recipe(deepspeed_launcher(3, num_processes=2, mixed_precision="no"), tiny_model_path, tmp_path)
+
+    assert "GiGPO on 2 process(es), cpu" in result.stdout
+    assert "Held-out success rate (2 tasks):" in result.stdout
+    assert [record["step"] for record in read_evaluations(tmp_path)] == [0, 2]  # before and after training
+    assert (tmp_path / "model.safetensors").is_file() and (tmp_path / "report" / "index.html").is_file()
 
 
 @pytest.mark.timeout(600)

@@ -11,23 +11,22 @@ missing vLLM is an error instead, so that a broken install cannot pass as skippe
 from __future__ import annotations
 
 import gc
-import importlib.util
 import math
 import os
 
 import pytest
 import torch
+from optional_packages import require
 
-if importlib.util.find_spec("vllm") is None:
-    if os.environ.get("GIGPO_TRL_REQUIRE_VLLM") == "1":
-        raise ImportError("GIGPO_TRL_REQUIRE_VLLM=1 but vllm is not installed (docs/gpu.md, 'vLLM on CPU')")
-    pytest.skip("needs vllm (docs/gpu.md, 'vLLM on CPU')", allow_module_level=True)
+require("vllm", "GIGPO_TRL_REQUIRE_VLLM", "docs/gpu.md, 'vLLM on CPU'")
 
 from datasets import Dataset  # noqa: E402
+from launchers import TESTS, finished_run  # noqa: E402
 from toy_tool_envs import IncrementEnv  # noqa: E402
-from trainer_helpers import parameters, settings_config  # noqa: E402
+from trainer_helpers import parameters  # noqa: E402
+from vllm_helpers import CUDA, train, training_logs, vllm_config  # noqa: E402
 
-from bench.gpu_check import sampling_figures, vllm_problems  # noqa: E402
+from bench.gpu_check import deepspeed_launcher, sampling_figures, vllm_problems  # noqa: E402
 from bench.vllm_cpu import CPU_ENGINE_ENVIRONMENT, keep_weights_for_sync  # noqa: E402
 from gigpo_trl.batch import importance_sampling_ratio  # noqa: E402
 from gigpo_trl.tasks import task_dataset  # noqa: E402
@@ -35,7 +34,6 @@ from gigpo_trl.trainer import GiGPOTrainer  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
-CUDA = torch.cuda.is_available()
 # Mean |vLLM - trainer| log-prob per sampled token at every iteration. Measured on CPU with this module's settings:
 # about 0.001 when vLLM generates with the trainer's weights (vLLM computes in bf16, the trainer in fp32), 0.19 to
 # 0.40 when the sync is skipped, and 0.09 to 0.14 when only the linear layers are kept loadable (the tied LM head
@@ -74,29 +72,6 @@ def vllm_model_path(make_tiny_model) -> str:
     return make_tiny_model("vllm-tiny-model", hidden_size=128)
 
 
-def vllm_config(tmp_path, **overrides):
-    """`settings_config` (2 Sokoban tasks x 2 copies, 8-token answers, 2 micro-batches), 3 turns, generating with
-    vLLM colocate, 3 updates at a learning rate that moves the tiny policy (0.2 to 0.4 per token and update)."""
-    return settings_config(tmp_path, **{
-        "use_vllm": True, "vllm_mode": "colocate", "max_env_steps": 3, "max_steps": 3, "learning_rate": 1e-2,
-        "bf16": CUDA, **overrides})
-
-
-def train(model: str, config, *, skip_sync: bool = False, **kwargs) -> GiGPOTrainer:
-    """Train a GiGPOTrainer on Sokoban tasks; `skip_sync` sabotages TRL's weight sync (vLLM keeps the first weights)."""
-    trainer = GiGPOTrainer(model, args=config, train_dataset=task_dataset(range(16)), **kwargs)
-    if skip_sync:
-        trainer.vllm_generation.sync_weights = lambda: None
-    trainer.train()
-    trainer.close_environments()
-    return trainer
-
-
-def training_logs(trainer: GiGPOTrainer) -> list[dict]:
-    """The log entry of every training iteration (an environment without `won` logs no success rate)."""
-    return [entry for entry in trainer.state.log_history if "env/step_samples" in entry]
-
-
 def test_colocate_rollouts_generate_every_turn_with_vllm_and_its_logprobs_reach_the_batch(tmp_path, vllm_model_path):
     trainer = GiGPOTrainer(vllm_model_path, args=vllm_config(tmp_path), train_dataset=task_dataset(range(4)))
     assert type(trainer.vllm_generation.llm).__module__.startswith("vllm.")  # the engine itself, not a stand-in
@@ -127,7 +102,7 @@ def test_importance_sampling_correction_in_every_mode_logs_finite_metrics(mode, 
     low, high = 0.5, 1.5  # a band the sabotaged iterations below leave, so that clamping and masking act
     trainer = train(vllm_model_path, vllm_config(
         tmp_path, vllm_importance_sampling_mode=mode, vllm_importance_sampling_clip_min=low,
-        vllm_importance_sampling_clip_max=high), skip_sync=True)
+        vllm_importance_sampling_clip_max=high), skip_sync_from=0)
     logs = training_logs(trainer)
     assert len(logs) == 3
     for entry in logs:
@@ -170,7 +145,7 @@ def test_vllm_generates_with_the_updated_weights_after_every_update_and_a_skippe
         peft_config = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM")
     config = vllm_config(tmp_path, learning_rate=3e-2 if lora else 1e-2)
     synced = train(vllm_model_path, config, peft_config=peft_config)
-    stale = train(vllm_model_path, config, peft_config=peft_config, skip_sync=True)
+    stale = train(vllm_model_path, config, peft_config=peft_config, skip_sync_from=0)
 
     synced_figures, stale_figures = (sampling_figures(training_logs(t)) for t in (synced, stale))
     assert vllm_problems(synced_figures, tolerance=SYNC_TOLERANCE) == []
@@ -179,6 +154,26 @@ def test_vllm_generates_with_the_updated_weights_after_every_update_and_a_skippe
     assert len(problems) == 1 and "differ from the trainer's" in problems[0]
     first_stale, first_synced = (f["sampling/sampling_logp_difference/mean"][0] for f in (stale_figures, synced_figures))
     assert first_stale == pytest.approx(first_synced)  # before any update both engines hold the same weights
+
+
+@pytest.mark.timeout(900)
+def test_zero3_with_two_processes_syncs_its_gathered_weights_to_vllm_after_every_update(tmp_path, vllm_model_path):
+    # `accelerate launch` with the ZeRO-3 recipe, 2 processes, each with its colocated engine: TRL gathers the sharded
+    # parameters (a collective of both processes) and loads them into each engine at every update. 4 iterations, the
+    # sync sabotaged before the last one: the check passes on the first 3 and catches the 4th (one launch, not two).
+    require("deepspeed", "GIGPO_TRL_REQUIRE_DEEPSPEED", "docs/gpu.md, 'vLLM on CPU'")
+    launcher = deepspeed_launcher(3, num_processes=2, mixed_precision="bf16" if CUDA else "no")
+    run = finished_run(launcher, vllm_model_path, tmp_path, "--max-steps", "4", "--skip-sync-from", "3",
+                       script=TESTS / "vllm_run.py", timeout=800)
+
+    assert (run["processes"], run["engine"], run["zero_stage"]) == (2, "DeepSpeedEngine", 3)
+    assert all(held < run["elements_total"] for held in run["elements_held"])  # each process holds a shard
+    figures = sampling_figures(run["logs"])
+    assert len(figures["sampling/sampling_logp_difference/mean"]) == 4
+    synced = {key: values[:3] for key, values in figures.items()}  # before any update, then after updates 1 and 2
+    assert vllm_problems(synced, tolerance=SYNC_TOLERANCE) == []
+    problems = vllm_problems(figures, tolerance=SYNC_TOLERANCE)  # after update 3 vLLM kept update 2's weights
+    assert len(problems) == 1 and "differ from the trainer's" in problems[0]
 
 
 def test_lora_trains_only_the_adapter_under_vllm(tmp_path, vllm_model_path):

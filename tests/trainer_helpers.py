@@ -1,16 +1,18 @@
-"""Shared pieces of the trainer tests: a small CPU configuration, step samples, parameter snapshots, and the
-`corridor` environment (tests/toy_envs.py) registered under that name."""
+"""Shared pieces of the trainer tests: a small CPU configuration, step samples, parameter snapshots, what backend
+trained a model, and the `corridor` environment (tests/toy_envs.py) registered under that name."""
 
 from __future__ import annotations
 
 import random
 
 import torch
+from accelerate.utils import gather_object
 from toy_envs import Corridor
 
 from gigpo_trl.config import GiGPOConfig
 from gigpo_trl.envs import register_env
 from gigpo_trl.rollout import Completion
+from gigpo_trl.trainer import GiGPOTrainer
 
 register_env("corridor", Corridor, overwrite=True)
 
@@ -45,3 +47,14 @@ def step_samples(vocab_size: int, count: int, seed: int) -> tuple[list[Completio
     ]
     return completions, [rng.uniform(-2, 2) for _ in range(count)]
 
+
+def backend_facts(trainer: GiGPOTrainer) -> dict:
+    """What trained the model: accelerate's distributed type, the DeepSpeed engine and its ZeRO stage (None without
+    DeepSpeed), and, from every process, how many parameter elements it holds against the model's total."""
+    engine = trainer.model_wrapped
+    stage = engine.zero_optimization_stage() if type(engine).__name__ == "DeepSpeedEngine" else None
+    parameters = list(trainer.model.parameters())
+    held = sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in parameters)  # ZeRO-3: a shard
+    total = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in parameters)
+    return {"distributed_type": str(trainer.accelerator.distributed_type), "engine": type(engine).__name__,
+            "zero_stage": stage, "elements_held": gather_object([held]), "elements_total": total}
