@@ -270,11 +270,12 @@ def bench_dynamic_sampling(config_path: str, iterations: int, max_rounds: int, m
           f"{group_size} copies, at most {max_rounds} extra rounds; no update (both arms play the starting model)")
     for arm, summary in arms.items():
         per_sample = summary["rollout_s_per_nonzero_sample"]
-        cost = "no sample with a signal" if per_sample is None else f"{per_sample:.2f} s of rollout per sample with one"
+        cost = ("no sample with a signal" if per_sample is None
+                else f"{per_sample * 1000:.2f} ms of rollout per sample with one")
         print(f"  {arm:7s}: nonzero-advantage share of the update {summary['nonzero_advantage_share']:.1%} "
               f"({summary['nonzero_samples_mean']:.1f} of {summary['update_samples_mean']:.1f} step samples an "
-              f"iteration), rollout {summary['rollout_s_mean']:.1f} s an iteration (extra rounds "
-              f"{summary['extra_rounds_mean']:.1f}, {summary['extra_rollout_s_mean']:.1f} s), {cost}; groups rolled "
+              f"iteration), rollout {summary['rollout_s_mean']:.2f} s an iteration (extra rounds "
+              f"{summary['extra_rounds_mean']:.1f}, {summary['extra_rollout_s_mean']:.2f} s), {cost}; groups rolled "
               f"{summary['groups_rolled']}, with a signal {summary['groups_with_signal']}, kept {summary['groups_kept']}, "
               f"dropped {summary['groups_dropped']}")
     return {"config": config_path, "model": model, "max_rounds": max_rounds, "rows": rows, "arms": arms}
