@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -234,8 +235,9 @@ class GiGPOConfig(GRPOConfig):
             problems.append(f"invalid_action_penalty={self.invalid_action_penalty} must be >= 0")
         if self.similarity_threshold is not None and not 0.0 < self.similarity_threshold <= 1.0:
             problems.append(f"similarity_threshold={self.similarity_threshold} must be None or in (0, 1]")
-        if not 0.0 <= self.step_advantage_lambda <= 1.0:  # NaN fails too
-            problems.append(f"step_advantage_lambda={self.step_advantage_lambda} must be a number in [0, 1]")
+        lam = self.step_advantage_lambda
+        if not (isinstance(lam, numbers.Real) and 0.0 <= lam <= 1.0):  # NaN fails too
+            problems.append(f"step_advantage_lambda={lam!r} must be a number in [0, 1]")
         if self.max_env_steps < 1:
             problems.append(f"max_env_steps={self.max_env_steps} must be >= 1")
         if self.log_trajectories < 0:

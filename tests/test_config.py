@@ -27,6 +27,7 @@ TRL_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "
         ({"similarity_threshold": 1.5}, "similarity_threshold=1.5"),
         ({"step_advantage_lambda": 1.2}, r"step_advantage_lambda=1.2 must be a number in \[0, 1\]"),
         ({"step_advantage_lambda": float("nan")}, r"step_advantage_lambda=nan must be a number in \[0, 1\]"),
+        ({"step_advantage_lambda": "0.5"}, r"step_advantage_lambda='0.5' must be a number in \[0, 1\]"),
         ({"env_kwargs": "{not json"}, "env_kwargs must be a dict or a JSON object string"),
     ],
 )
