@@ -13,6 +13,7 @@ from typing import Any
 from trl import GRPOConfig
 
 from gigpo_trl.advantages import EPISODE_STATS_MODES, NORM_MODES
+from gigpo_trl.dynamic_sampling import SIGNAL_MODES
 
 # Loss types whose normalization ignores rows with a zero loss mask (the rows that keep processes in lock-step):
 # they divide by the token count of the whole generation batch (`num_items_in_batch`). "grpo", "sapo", "dr_grpo"
@@ -154,13 +155,21 @@ class GiGPOConfig(GRPOConfig):
     )
     dynamic_sampling_max_rounds: int = field(
         default=0,
-        metadata={"help": "Dynamic sampling (DAPO's): after a training rollout, the task groups without signal (every "
-                  "step sample's advantage A = A_E + omega * A_S is 0: typically all copies got the same return, e.g. "
-                  "none won) are dropped before the update, and rounds of further tasks, drawn from the training set "
+        metadata={"help": "Dynamic sampling (DAPO's): after a training rollout, the task groups without signal "
+                  "(dynamic_sampling_signal; by default: all copies got the same return, e.g. none won) are dropped "
+                  "before the update, and rounds of further tasks, drawn from the training set "
                   "(reproducibly: by the seed, the step, the process and the round), are played, as many tasks a round "
                   "as the rollout had, until each process holds that many groups with a signal or this many extra "
                   "rounds were played; the update then trains on what it has (a warning says when it is short; "
                   "logged as dynamic_sampling/*). 0: off. Evaluation is never filtered."},
+    )
+    dynamic_sampling_signal: str = field(
+        default="returns",
+        metadata={"help": "What makes a task group worth an update under dynamic sampling: 'returns' (DAPO's rule, "
+                  "GIGPO_SPEC.md section 6): its trajectories' returns are not all equal; 'advantages': some step "
+                  "sample's advantage A = A_E + omega * A_S is not 0, which also keeps groups of equal returns whose "
+                  "copies differ in off-format answers (invalid_action_penalty) or, with gamma < 1, in how soon they "
+                  "won.", "choices": list(SIGNAL_MODES)},
     )
 
     def __post_init__(self):
@@ -253,6 +262,8 @@ class GiGPOConfig(GRPOConfig):
         if self.dynamic_sampling_max_rounds < 0:
             problems.append(f"dynamic_sampling_max_rounds={self.dynamic_sampling_max_rounds} must be >= 0 (0: no dynamic "
                             "sampling)")
+        if self.dynamic_sampling_signal not in SIGNAL_MODES:
+            problems.append(f"dynamic_sampling_signal={self.dynamic_sampling_signal!r} is not one of {SIGNAL_MODES}")
         if self.loss_type not in SUPPORTED_LOSS_TYPES:
             problems.append(
                 f"loss_type={self.loss_type!r} normalizes per row or per micro-batch, so the zero-weight rows that keep "

@@ -1,18 +1,18 @@
 """Dynamic sampling (DAPO, arXiv 2503.14476, section 3.2; GIGPO_SPEC.md section 6): every update learns.
 
-A task group carries no signal when the advantage `A = A_E + omega * A_S` of every one of its step samples is 0: it
-costs its rollout and its share of the update, and adds nothing to the policy gradient. The advantages decide, not the
-returns alone, so that exactly those groups are left out:
-- typically every copy got the same return with the same invalid-answer penalties (every `A_E` is 0) and every step
-  group holds equal step values (every `A_S` is 0), as when no copy won;
-- a group whose copies all won, some sooner, keeps a step signal when gamma < 1 (the sooner copies' steps have the
-  larger returns-to-go) and is kept; copies with the same return but different invalid answers keep an episode signal;
-- with omega = 0 (step-wise GRPO) only `A_E` counts;
-- a group left with a single scored element (its other copies failed at reset; `num_generations` is at least 2)
-  keeps its raw score as its advantage (GIGPO_SPEC.md section 3), so it is kept when that score is not 0;
-- a group without any step sample (every copy failed at reset) has nothing to train on and is dropped.
-The group normalizations give exact zeros for equal values, so "is 0" is an exact test. Dynamic sampling never
-changes the advantage of a sample that reaches the update.
+A task group whose copies all got the same return (typically: none won) teaches the task nothing: it costs its rollout
+and its share of the update. Which groups count as carrying a signal (`dynamic_sampling_signal`):
+- "returns" (the default; DAPO's rule, GIGPO_SPEC.md section 6): the returns `R = sum_t r_t` of the group's
+  trajectories are not all equal. A group of equal returns is dropped even where its advantages are not all 0: copies
+  that all lost but gave different numbers of off-format answers (the invalid-answer penalty), or copies that all won,
+  some sooner (gamma < 1 and omega > 0: the sooner copies' steps have the larger returns-to-go).
+- "advantages": some step sample's advantage `A = A_E + omega * A_S` is not 0, so exactly the groups that add
+  nothing to the policy gradient are dropped, and those of equal returns with a penalty or discount signal are kept.
+  The group normalizations give exact zeros for equal values, so "is 0" is an exact test.
+A group left with a single trajectory (its other copies failed at reset) is dropped under "returns" (one return is
+compared with nothing) and kept under "advantages" when its raw score, which it keeps as its advantage (GIGPO_SPEC.md
+section 3), is not 0. A group without any step sample (every copy failed at reset) is dropped under both. Dynamic
+sampling never changes the advantage of a sample that reaches the update.
 
 After a training rollout, each process drops its groups without signal and plays extra rounds of further tasks, drawn
 from the training set, as many tasks a round as its first rollout had, until it holds that many groups with a signal
@@ -33,6 +33,8 @@ import numpy as np
 
 from gigpo_trl.advantages import GiGPOAdvantages
 from gigpo_trl.rollout import Rollout, concatenate_rollouts
+
+SIGNAL_MODES = ("returns", "advantages")  # what makes a task group worth an update: see the module docstring
 
 
 @dataclass(frozen=True)
@@ -71,7 +73,23 @@ class SampledGroups:
     counts: SamplingCounts
 
 
-def groups_with_signal(groups: Sequence[int], advantages: np.ndarray) -> list[int]:
+def groups_with_unequal_returns(groups: Sequence[int], returns: Sequence[float]) -> list[int]:
+    """The task groups whose trajectories' returns are not all equal (DAPO's rule), in increasing order.
+
+    Args:
+        groups: int [m], the task group of each trajectory (those with at least one step sample).
+        returns: float [m], each trajectory's return `R = sum_t r_t`.
+    """
+    groups, returns = np.asarray(groups, dtype=np.int64), np.asarray(returns, dtype=np.float64)
+    if groups.size == 0:
+        return []
+    lowest, highest = np.full(groups.max() + 1, np.inf), np.full(groups.max() + 1, -np.inf)
+    np.minimum.at(lowest, groups, returns)
+    np.maximum.at(highest, groups, returns)
+    return np.flatnonzero(lowest < highest).tolist()
+
+
+def groups_with_nonzero_advantages(groups: Sequence[int], advantages: np.ndarray) -> list[int]:
     """The task groups of which some step sample has a nonzero advantage, in increasing order.
 
     Args:
@@ -80,6 +98,17 @@ def groups_with_signal(groups: Sequence[int], advantages: np.ndarray) -> list[in
     """
     signal = np.asarray(advantages) != 0
     return np.unique(np.asarray(groups, dtype=np.int64)[signal]).tolist()
+
+
+def groups_with_signal(rollout: Rollout, advantages: GiGPOAdvantages, signal: str = "returns") -> list[int]:
+    """The task groups of a rollout that carry a signal by the rule `signal` (one of `SIGNAL_MODES`), in increasing
+    order; `advantages` are those of the rollout's step samples."""
+    if signal == "returns":
+        played = [episode for episode in rollout.episodes if episode.length]
+        return groups_with_unequal_returns([e.group for e in played], [e.episode_return for e in played])
+    if signal == "advantages":
+        return groups_with_nonzero_advantages(rollout.steps.group, advantages.advantages)
+    raise ValueError(f"unknown dynamic sampling signal {signal!r}; expected one of {SIGNAL_MODES}")
 
 
 def extra_task_rows(num_rows: int, count: int, *, seed: int, step: int, process: int, round_: int) -> list[int]:
@@ -100,6 +129,7 @@ def sample_groups(
     score: Callable[[Rollout], GiGPOAdvantages],
     *,
     max_rounds: int,
+    signal: str = "returns",
     max_across_processes: Callable[[int], int] = lambda n: n,
 ) -> SampledGroups:
     """Keep this process's groups with a signal, playing extra rounds until it holds as many as its first rollout's
@@ -112,6 +142,7 @@ def sample_groups(
             lock-step with the others).
         score: the advantages of a rollout (`compute_gigpo_advantages` of its step columns).
         max_rounds: extra rounds at most (`dynamic_sampling_max_rounds`).
+        signal: what makes a group worth keeping, one of `SIGNAL_MODES` (`dynamic_sampling_signal`).
         max_across_processes: the maximum of an int over all processes (identity on one process): a round is played
             while any process lacks groups, by every process.
 
@@ -123,9 +154,9 @@ def sample_groups(
     extra_seconds = 0.0
     while True:
         offset = sum(part.num_groups for part in rollouts)
-        signal = groups_with_signal(rollout.steps.group, advantages.advantages)
-        kept += [offset + group for group in signal[: asked - len(kept)]]
-        with_signal += len(signal)
+        found = groups_with_signal(rollout, advantages, signal)
+        kept += [offset + group for group in found[: asked - len(kept)]]
+        with_signal += len(found)
         rollouts.append(rollout)
         scores.append(advantages)
         extra_rounds = len(rollouts) - 1

@@ -206,13 +206,15 @@ class GiGPOTrainer(GRPOTrainer):
         gigpo = self._advantages(rollout)
         advantage_seconds = time.perf_counter() - started
 
-        # 3. Dynamic sampling (training, dynamic_sampling_max_rounds > 0): the groups whose step samples all get a zero
-        #    advantage are left out, and rounds of further tasks played, in lock-step on every process, until this
-        #    process holds as many groups with a signal as it has tasks, or the limit. Otherwise every sample counts.
+        # 3. Dynamic sampling (training, dynamic_sampling_max_rounds > 0): the groups without signal (by default, whose
+        #    copies all got the same return) are left out, and rounds of further tasks played, in lock-step on every
+        #    process, until this process holds as many groups with a signal as it has tasks, or the limit. Otherwise
+        #    every sample counts.
         samples, sampling = range(len(rollout.steps)), None
         if mode == "train" and self.args.dynamic_sampling_max_rounds:
             sampled = sample_groups(rollout, gigpo, functools.partial(self._extra_round, pool), self._advantages,
                                     max_rounds=self.args.dynamic_sampling_max_rounds,
+                                    signal=self.args.dynamic_sampling_signal,
                                     max_across_processes=self._max_across_processes)
             rollout, gigpo, samples, sampling = sampled.rollout, sampled.advantages, sampled.samples, sampled.counts
             rollout_seconds += sampling.extra_rollout_s

@@ -28,6 +28,7 @@ TRL_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "
         ({"step_advantage_lambda": 1.2}, r"step_advantage_lambda=1.2 must be a number in \[0, 1\]"),
         ({"step_advantage_lambda": float("nan")}, r"step_advantage_lambda=nan must be a number in \[0, 1\]"),
         ({"step_advantage_lambda": "0.5"}, r"step_advantage_lambda='0.5' must be a number in \[0, 1\]"),
+        ({"dynamic_sampling_signal": "std"}, r"dynamic_sampling_signal='std' is not one of \('returns', 'advantages'\)"),
         ({"env_kwargs": "{not json"}, "env_kwargs must be a dict or a JSON object string"),
     ],
 )

@@ -63,9 +63,11 @@ def test_an_error_on_one_process_ends_every_process_promptly_with_the_message(tm
 @pytest.mark.timeout(900)
 def test_two_processes_complete_iterations_in_which_one_process_s_groups_were_all_dropped(tmp_path, tiny_model_path):
     # Rank 1's corridors cannot be finished (tests/toy_envs.py, UnwinnableOnRank1): with dynamic sampling it plays its 2
-    # extra rounds while rank 0, whose 3-cell corridors carry a signal, generates with it; then rank 1 trains on
-    # zero-weight rows and rank 0 on its own samples.
-    result = run_script(torchrun(2), tiny_model_path, str(tmp_path), "unwinnable_on_rank_1")
+    # extra rounds while rank 0, whose 16-cell corridors carry a signal (one copy wins at the 15th and last step
+    # allowed, the other, which first steps left, is cut off), generates with it; then rank 1 trains on zero-weight
+    # rows and rank 0 on its own samples.
+    result = run_script(torchrun(2), tiny_model_path, str(tmp_path), "unwinnable_on_rank_1",
+                        "--lengths", "16", "16", "12", "12")
 
     assert result.returncode == 0, result.stderr[-4000:]
     logs = json.loads((tmp_path / "metrics.json").read_text())["logs"]
@@ -75,8 +77,9 @@ def test_two_processes_complete_iterations_in_which_one_process_s_groups_were_al
         assert log["dynamic_sampling/groups_rolled"] == 2 + 2 * 3  # rank 0: its 2 tasks; rank 1: 2 tasks x 3 rounds
         assert log["dynamic_sampling/groups_kept"] == 2 and log["dynamic_sampling/groups_dropped"] == 6
         assert log["dynamic_sampling/groups_missing"] == 2
-        # Rank 1 played 3 rounds of 2 tasks x 2 copies cut off at 15 steps; rank 0's copies won in 2 and 3 steps.
-        assert log["env/step_samples"] == 3 * 4 * 15 + 2 * (2 + 3)
-        assert log["gigpo/update_step_samples"] == 2 * (2 + 3)
+        # Rank 1 played 3 rounds of 2 tasks x 2 copies cut off at 15 steps; rank 0's copies all lasted 15 steps too.
+        assert log["env/step_samples"] == 3 * 4 * 15 + 2 * (15 + 15)
+        assert log["gigpo/update_step_samples"] == 2 * (15 + 15)
+        assert log["env/success_rate"] == 2 / (2 * 2 + 3 * 2 * 2)  # rank 0's first copies
         assert log["grad_norm"] > 0 and math.isfinite(log["loss"])
     assert "dynamic sampling: after 2 extra round(s)" in result.stderr

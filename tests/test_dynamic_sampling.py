@@ -15,7 +15,14 @@ from trainer_helpers import cpu_config, parameters
 
 from gigpo_trl.advantages import GiGPOAdvantages, compute_gigpo_advantages
 from gigpo_trl.config import GiGPOConfig
-from gigpo_trl.dynamic_sampling import SamplingCounts, extra_task_rows, groups_with_signal, sample_groups
+from gigpo_trl.dynamic_sampling import (
+    SamplingCounts,
+    extra_task_rows,
+    groups_with_nonzero_advantages,
+    groups_with_signal,
+    groups_with_unequal_returns,
+    sample_groups,
+)
 from gigpo_trl.env_pool import EnvPool
 from gigpo_trl.records import read_trajectories
 from gigpo_trl.rollout import DUMMY_PROMPT, Completion, Rollout, collect_rollout, concatenate_rollouts
@@ -23,8 +30,11 @@ from gigpo_trl.tasks import Task, task_dataset
 
 pytestmark = pytest.mark.timeout(300)
 
-SHORT, LONG = 3, 12  # corridor lengths: won by both copies within MAX_STEPS, lost by both
 MAX_STEPS = 4
+# Corridor lengths, played by copies that walk right, the second one after a first step left (it stays in cell 0):
+SHORT = 3  # both copies win within MAX_STEPS, the second a step later: equal returns
+MIXED = 5  # the first copy wins at its last allowed step, the second is cut off: returns 1 and 0
+LONG = 12  # both copies are cut off: equal returns
 
 
 def advantages_of(rollout: Rollout, **settings) -> GiGPOAdvantages:
@@ -38,36 +48,62 @@ def advantages_of(rollout: Rollout, **settings) -> GiGPOAdvantages:
 # ------------------------------------------------------------------------------------------
 
 
-def test_a_group_carries_a_signal_exactly_when_some_step_sample_gets_a_nonzero_advantage():
-    rows = [  # (group, trajectory, step, anchor, reward, invalid)
-        # 0: nobody won
-        (0, "0a", 0, "s0", 0.0, False), (0, "0a", 1, "s1", 0.0, False), (0, "0b", 0, "s0", 0.0, False),
-        # 1: one copy won
-        (1, "1a", 0, "s0", 1.0, False), (1, "1b", 0, "s0", 0.0, False),
-        # 2: both won the same way
-        (2, "2a", 0, "s0", 0.0, False), (2, "2a", 1, "s1", 1.0, False),
-        (2, "2b", 0, "s0", 0.0, False), (2, "2b", 1, "s1", 1.0, False),
-        # 3: both won, one a step later (it stayed in s0 once): equal returns, different returns-to-go in s0
-        (3, "3a", 0, "s0", 0.0, False), (3, "3a", 1, "s1", 1.0, False),
-        (3, "3b", 0, "s0", 0.0, False), (3, "3b", 1, "s0", 0.0, False), (3, "3b", 2, "s1", 1.0, False),
-        # 4: both lost, one with an invalid answer
-        (4, "4a", 0, "s0", 0.0, True), (4, "4b", 0, "s0", 0.0, False),
-        # 5 and 6: a single scored element (the other copies failed at reset): it keeps its raw score
-        (5, "5a", 0, "s0", 1.0, False),
-        (6, "6a", 0, "s0", 0.0, False),
-    ]
-    group, trajectory, step, anchor, reward, invalid = (list(column) for column in zip(*rows))
+GROUPS_OF_ROWS = [  # (group, trajectory, step, anchor, reward, invalid)
+    # 0: nobody won
+    (0, "0a", 0, "s0", 0.0, False), (0, "0a", 1, "s1", 0.0, False), (0, "0b", 0, "s0", 0.0, False),
+    # 1: one copy won
+    (1, "1a", 0, "s0", 1.0, False), (1, "1b", 0, "s0", 0.0, False),
+    # 2: both won the same way
+    (2, "2a", 0, "s0", 0.0, False), (2, "2a", 1, "s1", 1.0, False),
+    (2, "2b", 0, "s0", 0.0, False), (2, "2b", 1, "s1", 1.0, False),
+    # 3: both won, one a step later (it stayed in s0 once): equal returns, different returns-to-go in s0
+    (3, "3a", 0, "s0", 0.0, False), (3, "3a", 1, "s1", 1.0, False),
+    (3, "3b", 0, "s0", 0.0, False), (3, "3b", 1, "s0", 0.0, False), (3, "3b", 2, "s1", 1.0, False),
+    # 4: both lost, one with an invalid answer
+    (4, "4a", 0, "s0", 0.0, True), (4, "4b", 0, "s0", 0.0, False),
+    # 5 and 6: a single scored element (the other copies failed at reset): it keeps its raw score
+    (5, "5a", 0, "s0", 1.0, False),
+    (6, "6a", 0, "s0", 0.0, False),
+    # 7: rewards collected at different steps that add up to the same return
+    (7, "7a", 0, "s0", 1.0, False), (7, "7a", 1, "s1", 0.0, False),
+    (7, "7b", 0, "s0", 0.0, False), (7, "7b", 1, "s1", 1.0, False),
+]
+
+
+def test_by_default_a_group_carries_a_signal_exactly_when_its_trajectories_returns_differ():
+    group, trajectory, step, anchor, reward, invalid = (list(column) for column in zip(*GROUPS_OF_ROWS))
+    returns = {}
+    for g, t, r in zip(group, trajectory, reward):
+        returns[(g, t)] = returns.get((g, t), 0.0) + r
+    groups, totals = zip(*((g, total) for (g, _), total in returns.items()))
+
+    assert groups_with_unequal_returns(groups, totals) == [1]  # DAPO's rule, whatever the advantages say
+    assert groups_with_unequal_returns([3, 3, 0, 0], [0.5, 0.5 + 1e-12, 2.0, 2.0]) == [3]  # equal means exactly equal
+    assert groups_with_unequal_returns([], []) == []
+
+
+def test_by_advantages_a_group_carries_a_signal_exactly_when_some_step_sample_gets_a_nonzero_advantage():
+    group, trajectory, step, anchor, reward, invalid = (list(column) for column in zip(*GROUPS_OF_ROWS))
 
     def signal(**settings) -> list[int]:
         gigpo = compute_gigpo_advantages(reward, group, trajectory, step, anchor, invalid, **settings)
         no_signal = {g for g in set(group) if not np.any(gigpo.advantages[np.array(group) == g])}
-        assert set(groups_with_signal(group, gigpo.advantages)) == set(group) - no_signal
-        return groups_with_signal(group, gigpo.advantages)
+        assert set(groups_with_nonzero_advantages(group, gigpo.advantages)) == set(group) - no_signal
+        return groups_with_nonzero_advantages(group, gigpo.advantages)
 
-    assert signal() == [1, 3, 4, 5]
-    assert signal(step_weight=0.0) == [1, 4, 5]  # step-wise GRPO: group 3's signal was its step advantage
-    assert signal(gamma=1.0) == [1, 4, 5]  # undiscounted, the later win is worth as much
-    assert signal(invalid_penalty=0.0) == [1, 3, 5]
+    assert signal() == [1, 3, 4, 5, 7]
+    assert signal(step_weight=0.0) == [1, 4, 5]  # step-wise GRPO: groups 3 and 7 had only a step advantage
+    assert signal(gamma=1.0) == [1, 4, 5, 7]  # undiscounted, the later win is worth as much
+    assert signal(invalid_penalty=0.0) == [1, 3, 5, 7]
+
+
+def test_the_rule_is_chosen_by_name_and_an_unknown_one_refused():
+    rollout = play_corridors([SHORT, MIXED])  # group 0: both win, one later; group 1: one wins
+    gigpo = advantages_of(rollout)
+    assert groups_with_signal(rollout, gigpo) == groups_with_signal(rollout, gigpo, "returns") == [1]
+    assert groups_with_signal(rollout, gigpo, "advantages") == [0, 1]
+    with pytest.raises(ValueError, match=r"unknown dynamic sampling signal 'std'; expected one of \('returns', 'advantages'\)"):
+        groups_with_signal(rollout, gigpo, "std")
 
 
 def test_the_advantages_of_rounds_concatenated_are_those_of_one_pass_over_their_rollouts():
@@ -152,15 +188,15 @@ def sample(first_lengths, rounds: Rounds, max_rounds: int, max_across_processes=
 
 
 def test_rounds_stop_once_the_process_holds_as_many_groups_with_a_signal_as_it_had_tasks():
-    rounds = Rounds([[LONG, LONG], [SHORT, SHORT], [SHORT, SHORT]])
-    sampled = sample([LONG, SHORT], rounds, max_rounds=5)
+    rounds = Rounds([[LONG, LONG], [MIXED, MIXED], [MIXED, MIXED]])
+    sampled = sample([LONG, MIXED], rounds, max_rounds=5)
 
     assert rounds.calls == [(1, True), (2, True)]  # round 2 found the missing group: no round 3
     counts = sampled.counts
     assert (counts.groups_rolled, counts.groups_kept, counts.groups_dropped, counts.groups_surplus,
             counts.groups_missing, counts.extra_rounds) == (6, 2, 3, 1, 0, 2)
     steps = sampled.rollout.steps
-    # Kept: the short corridor of the first rollout (group 1) and the first of round 2 (group 4); the second short
+    # Kept: the mixed corridor of the first rollout (group 1) and the first of round 2 (group 4); the second mixed
     # corridor of round 2 (group 5) was surplus, the long ones (0, 2, 3) had no signal.
     assert sampled.samples == [k for k, group in enumerate(steps.group) if group in (1, 4)]
     one_pass = advantages_of(sampled.rollout)
@@ -187,7 +223,7 @@ def test_a_process_that_holds_enough_still_generates_in_lock_step_while_another_
     generation call, with the dummy prompt."""
     others_missing = iter([1, 1, 0])
     rounds = Rounds([], live_elsewhere=lambda live: 4)
-    sampled = sample([SHORT, SHORT], rounds, max_rounds=5,
+    sampled = sample([MIXED, MIXED], rounds, max_rounds=5,
                      max_across_processes=lambda missing: max(missing, next(others_missing)))
 
     assert rounds.calls == [(1, False), (2, False)]
@@ -218,19 +254,33 @@ def real_rows(batch) -> torch.Tensor:
     return batch["tool_mask"].sum(dim=1) > 0
 
 
-def test_groups_without_signal_never_reach_the_update(tmp_path, tiny_model_path):
-    dataset = corridors(LONG, SHORT, LONG, LONG, SHORT, LONG)
-    trainer = ScriptedTrainer(tiny_model_path, args=dynamic_config(tmp_path), train_dataset=dataset)
+@pytest.mark.parametrize(("signal", "penalty", "lengths", "first_without_signal"), [
+    # DAPO's rule: the long corridor (both copies lose, the first with an off-format answer) and the short one (both
+    # win, the second a step later) have equal returns, though their advantages are not 0; only mixed ones are kept.
+    ("returns", 0.1, (LONG, SHORT, MIXED, MIXED, MIXED, MIXED), {0, 1}),
+    # By advantages, without a penalty: the long corridor has none, the short one a step signal (gamma < 1).
+    ("advantages", 0.0, (LONG, SHORT, LONG, LONG, SHORT, LONG), {0}),
+])
+def test_groups_without_signal_never_reach_the_update(tmp_path, tiny_model_path, signal, penalty, lengths,
+                                                      first_without_signal):
+    dataset = corridors(*lengths)
+    args = dynamic_config(tmp_path, dynamic_sampling_signal=signal, invalid_action_penalty=penalty)
+    trainer = ScriptedTrainer(tiny_model_path, args=args, train_dataset=dataset)
     trainer.model.train()
-    first_tasks = [dataset[0], dataset[0], dataset[1], dataset[1]]  # as TRL's sampler hands them: one long, one short
+    first_tasks = [dataset[0], dataset[0], dataset[1], dataset[1]]  # as TRL's sampler hands them
 
     batch = trainer._generate_and_score_completions(first_tasks)
 
     rollout = trainer.last_rollout
-    steps, gigpo = rollout.steps, advantages_of(rollout, invalid_penalty=0.0)
-    with_signal = groups_with_signal(steps.group, gigpo.advantages)
-    assert len(with_signal) >= 2 and 0 not in with_signal  # the first long corridor had none; rounds found more
+    steps, gigpo = rollout.steps, advantages_of(rollout, invalid_penalty=penalty)
+    with_signal = groups_with_signal(rollout, gigpo, signal)
+    assert len(with_signal) >= 2 and not first_without_signal & set(with_signal)  # the rounds found more
     kept = with_signal[:2]  # the first two groups with a signal, in the order they were played
+    if signal == "returns":
+        for group in kept:
+            assert len({e.episode_return for e in rollout.episodes if e.group == group}) == 2
+        for group in first_without_signal:  # dropped, though their advantages are not all 0
+            assert gigpo.advantages[np.array(steps.group) == group].any()
     expected = [k for k, group in enumerate(steps.group) if group in kept]
     real = real_rows(batch)
     assert real.sum().item() == len(expected)
@@ -245,12 +295,13 @@ def test_groups_without_signal_never_reach_the_update(tmp_path, tiny_model_path)
     assert logged["gigpo/update_step_samples"] == len(expected)
     assert logged["gigpo/nonzero_advantage_share"] == np.count_nonzero(gigpo.advantages[expected]) / len(expected)
 
-    # Without dynamic sampling the same first tasks put the long corridor's zero-advantage samples in the update.
+    # Without dynamic sampling the same first tasks put every sample in the update, those of the groups without
+    # signal too.
     trainer.args.dynamic_sampling_max_rounds = 0
     batch = trainer._generate_and_score_completions(first_tasks)
-    steps, gigpo = trainer.last_rollout.steps, advantages_of(trainer.last_rollout, invalid_penalty=0.0)
-    assert real_rows(batch).sum().item() == len(steps)
-    assert not gigpo.advantages[np.array(steps.group) == 0].any()
+    rollout = trainer.last_rollout
+    assert real_rows(batch).sum().item() == len(rollout.steps)
+    assert not first_without_signal & set(groups_with_signal(rollout, advantages_of(rollout, invalid_penalty=penalty), signal))
     trainer.close_environments()
 
 
