@@ -26,8 +26,9 @@
    dynamic sampling. Each is GiGPOTrainer's own training path (rollout, advantages, dynamic sampling, the update's
    rows) with its logged metrics. Per arm: the share of the update's step samples with a nonzero advantage, the
    update's step samples, the rollout time (the extra rounds' part), the task groups rolled, with a signal, kept and
-   dropped, and the rollout time per step sample with a nonzero advantage. Unknown arguments go to the recipe
-   (e.g. `--use_cpu true`).
+   dropped, the update's groups with a signal (`--dynamic_sampling_signal`'s rule), and the rollout time per step
+   sample with a nonzero advantage. Unknown arguments go to the recipe
+   (e.g. `--use_cpu true`, `--dynamic_sampling_signal advantages`).
 4. Update memory: the peak memory of one training iteration of GiGPOTrainer against TRL's
    GRPOTrainer on the same number of samples of the same lengths, each in a fresh process.
    On CUDA: `torch.cuda.max_memory_allocated`; on CPU: the growth of the process's peak resident
@@ -244,6 +245,7 @@ def bench_dynamic_sampling(config_path: str, iterations: int, max_rounds: int, m
             logged = {name: values[-1] for name, values in trainer._metrics["train"].items()}
             rollout = trainer.last_rollout
             update_samples = int(logged["gigpo/update_step_samples"])
+            with_signal = len(groups_with_signal(rollout, trainer._advantages(rollout), config.dynamic_sampling_signal))
             rows.append({
                 "iteration": k, "arm": arm,
                 "first_round_seeds": [episode.seed for episode in rollout.episodes[: tasks_per_rollout * group_size : group_size]],
@@ -251,8 +253,10 @@ def bench_dynamic_sampling(config_path: str, iterations: int, max_rounds: int, m
                 "extra_rollout_s": logged.get("dynamic_sampling/extra_rollout_s", 0.0),
                 "extra_rounds": int(logged.get("dynamic_sampling/extra_rounds", 0)),
                 "groups_rolled": rollout.num_groups,
-                "groups_with_signal": len(groups_with_signal(rollout.steps.group, trainer._advantages(rollout).advantages)),
+                "groups_with_signal": with_signal,
                 "groups_kept": int(logged.get("dynamic_sampling/groups_kept", rollout.num_groups)),
+                # the update's groups that carry a signal: without dynamic sampling, those of the rollout; with it, the kept
+                "update_groups_with_signal": int(logged["dynamic_sampling/groups_kept"]) if arm == "with" else with_signal,
                 "groups_dropped": int(logged.get("dynamic_sampling/groups_dropped", 0)),
                 "step_samples": int(logged["env/step_samples"]),
                 "update_samples": update_samples,
@@ -267,7 +271,8 @@ def bench_dynamic_sampling(config_path: str, iterations: int, max_rounds: int, m
     trainer.close_environments()
     arms = {arm: dynamic_sampling_summary([row for row in rows if row["arm"] == arm]) for arm in ARMS}
     print(f"\nDynamic sampling, {config_path} ({model}): {iterations} iterations of {tasks_per_rollout} tasks x "
-          f"{group_size} copies, at most {max_rounds} extra rounds; no update (both arms play the starting model)")
+          f"{group_size} copies, at most {max_rounds} extra rounds, signal by {config.dynamic_sampling_signal}; no update "
+          "(both arms play the starting model)")
     for arm, summary in arms.items():
         per_sample = summary["rollout_s_per_nonzero_sample"]
         cost = ("no sample with a signal" if per_sample is None
@@ -277,8 +282,10 @@ def bench_dynamic_sampling(config_path: str, iterations: int, max_rounds: int, m
               f"iteration), rollout {summary['rollout_s_mean']:.2f} s an iteration (extra rounds "
               f"{summary['extra_rounds_mean']:.1f}, {summary['extra_rollout_s_mean']:.2f} s), {cost}; groups rolled "
               f"{summary['groups_rolled']}, with a signal {summary['groups_with_signal']}, kept {summary['groups_kept']}, "
-              f"dropped {summary['groups_dropped']}")
-    return {"config": config_path, "model": model, "max_rounds": max_rounds, "rows": rows, "arms": arms}
+              f"dropped {summary['groups_dropped']}; groups with a signal in the update "
+              f"{summary['update_groups_with_signal']} of {summary['groups_kept']}")
+    return {"config": config_path, "model": model, "max_rounds": max_rounds, "signal": config.dynamic_sampling_signal,
+            "rows": rows, "arms": arms}
 
 
 def dynamic_sampling_summary(rows: list[dict]) -> dict:
@@ -293,7 +300,8 @@ def dynamic_sampling_summary(rows: list[dict]) -> dict:
                                                                "rollout_s", "extra_rollout_s", "extra_rounds")},
         # None: no sample with a signal at all
         "rollout_s_per_nonzero_sample": total("rollout_s") / total("nonzero_samples") if total("nonzero_samples") else None,
-        **{key: int(total(key)) for key in ("groups_rolled", "groups_with_signal", "groups_kept", "groups_dropped")},
+        **{key: int(total(key)) for key in ("groups_rolled", "groups_with_signal", "groups_kept", "groups_dropped",
+                                            "update_groups_with_signal")},
     }
 
 

@@ -128,7 +128,9 @@ def test_configs_are_timed_side_by_side_in_one_run(tiny_model_path, tmp_path, ca
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(("recipe_arguments", "signal"), [
-    ([], True),  # Sokoban: the step penalty and the timing of the copies give every group a signal
+    # Sokoban, by advantages: in these rollouts the copies' returns are equal (3 step penalties) but not their off-format
+    # answers, so the invalid-answer penalty gives every group a signal
+    (["--dynamic_sampling_signal", "advantages"], True),
     (["--env_name", "rooms", "--max_env_steps", "3", "--invalid_action_penalty", "0"], False),  # no treasure in reach
 ], ids=["every-group-with-a-signal", "no-group-with-a-signal"])
 def test_dynamic_sampling_is_measured_with_and_without_on_the_same_first_tasks(tiny_model_path, tmp_path,
@@ -152,6 +154,8 @@ def test_dynamic_sampling_is_measured_with_and_without_on_the_same_first_tasks(t
         assert with_["groups_kept"] == min(2, with_["groups_with_signal"])
         assert with_["groups_dropped"] == with_["groups_rolled"] - with_["groups_with_signal"]
         assert with_["nonzero_samples"] >= with_["groups_kept"]  # a kept group has a sample with a nonzero advantage
+        assert with_["update_groups_with_signal"] == with_["groups_kept"]
+        assert without["update_groups_with_signal"] == without["groups_with_signal"]
         if signal:
             assert with_["extra_rounds"] == 0 and without["groups_with_signal"] == 2
         else:  # every round's groups dropped, up to the limit; nothing to train on
