@@ -10,6 +10,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
+from accelerate.utils import parse_flag_from_env
 from trl import GRPOConfig
 
 from gigpo_trl.advantages import EPISODE_STATS_MODES, NORM_MODES
@@ -203,10 +204,8 @@ class GiGPOConfig(GRPOConfig):
         transformers refuses a config that says otherwise: an unset bf16 follows the launch, a contradicting one is
         refused with what to change. ACCELERATE_USE_CPU would turn DeepSpeed off after the model was loaded split
         across the processes: refused too (without a GPU, DeepSpeed runs on the CPU by itself)."""
-        if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
+        if not parse_flag_from_env("ACCELERATE_USE_DEEPSPEED"):
             return
-        from accelerate.utils import parse_flag_from_env  # noqa: PLC0415
-
         if parse_flag_from_env("ACCELERATE_USE_CPU"):
             raise ValueError(
                 f"invalid launch: ACCELERATE_USE_CPU={os.environ['ACCELERATE_USE_CPU']} in the environment turns DeepSpeed off "

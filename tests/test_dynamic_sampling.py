@@ -71,11 +71,10 @@ GROUPS_OF_ROWS = [  # (group, trajectory, step, anchor, reward, invalid)
 
 
 def test_by_default_a_group_carries_a_signal_exactly_when_its_trajectories_returns_differ():
-    group, trajectory, step, anchor, reward, invalid = (list(column) for column in zip(*GROUPS_OF_ROWS))
     returns = {}
-    for g, t, r in zip(group, trajectory, reward):
-        returns[(g, t)] = returns.get((g, t), 0.0) + r
-    groups, totals = zip(*((g, total) for (g, _), total in returns.items()))
+    for group, trajectory, _, _, reward, _ in GROUPS_OF_ROWS:
+        returns[group, trajectory] = returns.get((group, trajectory), 0.0) + reward
+    groups, totals = zip(*((group, total) for (group, _), total in returns.items()))
 
     assert groups_with_unequal_returns(groups, totals) == [1]  # DAPO's rule, whatever the advantages say
     assert groups_with_unequal_returns([3, 3, 0, 0], [0.5, 0.5 + 1e-12, 2.0, 2.0]) == [3]  # equal means exactly equal
