@@ -342,7 +342,7 @@ def update_peak(size: str, bound: int, num_tasks: int, output_dir: str, tokenize
     return {
         "size": size, "bound": bound, "tasks": num_tasks,
         "parameters": sum(p.numel() for p in model.parameters()),
-        "step_samples": log["env/step_samples"], "subsampled_rows": log["gigpo/subsampled_rows"],
+        "step_samples": log["env/step_samples"], "trained_samples": log["gigpo/update_step_samples"],
         "memory_at_update_start_gib": trainer.memory_at_update_start / 2**30 if cuda else None,
         "update_peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
         "problems": [] if math.isfinite(log.get("loss", float("nan"))) else [f"loss {log.get('loss')}"],
@@ -665,10 +665,12 @@ def _detail_tables(checks: Sequence[dict]) -> list[str]:
         runs = result.get("figures", {}).get("runs")
         if result["name"] in ("update_memory", "model_size_ladder") and runs:
             lines += [f"## `{result['name']}`", "",
-                      "| model | parameters | bound | step samples | kept | memory at update start (GiB) | update peak (GiB) | "
+                      "| model | parameters | bound | step samples | trained | memory at update start (GiB) | update peak (GiB) | "
                       "added by the update (MiB) | fits |", "|---|---|---|---|---|---|---|---|---|"]
             for run in runs:
-                kept = run.get("step_samples", 0) - run.get("subsampled_rows", 0) if "step_samples" in run else None
+                kept = run.get("trained_samples")
+                if kept is None and "step_samples" in run:  # runs before commit of the chunked update (subsampled)
+                    kept = run["step_samples"] - run.get("subsampled_rows", 0)
                 lines.append(f"| {run.get('size')} | {_number(run.get('parameters'))} | {run.get('bound', LADDER_BOUND)} | "
                              f"{_number(run.get('step_samples'))} | {_number(kept)} | {_number(run.get('memory_at_update_start_gib'))} | "
                              f"{_number(run.get('update_peak_gib'))} | {_number(_added_mib(run))} | {run.get('fits', not run.get('problems'))} |")

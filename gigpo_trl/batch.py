@@ -9,7 +9,6 @@ were computed, so they change neither the group statistics nor, for the allowed 
 
 from __future__ import annotations
 
-import random
 from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -23,29 +22,23 @@ if TYPE_CHECKING:
     from trl import GRPOTrainer
 
 
-def rows_for_update(num_samples: int, *, chunks: int, bound: int | None, draw_seed: str,
-                    max_across_processes: Callable[[int], int]) -> tuple[list[int], list[float], int]:
-    """Which samples form this process's rows, and their loss weights.
+def rows_for_update(num_samples: int, *, chunks: int, max_across_processes: Callable[[int], int]) -> tuple[list[int], list[float]]:
+    """Which samples form this process's rows, and their loss weights: every sample, then padding rows.
 
     Args:
         num_samples: this process's step samples.
         chunks: the micro-batches the rows are split into (`steps_per_generation`; 1 for evaluation).
-        bound: at most `chunks * bound` samples are kept, drawn uniformly (`max_step_samples_per_micro_batch`);
-            None keeps all.
-        draw_seed: seeds the draw (the run's seed, step and process: reproducible, different per process).
         max_across_processes: the maximum of an int over all processes.
 
     Returns:
-        (row -> sample index, row weights: 1 for samples, 0 for padding rows, number of samples left out). The row
-        count is the same on every process: the largest kept count (at least 1), rounded up to a multiple of `chunks`.
+        (row -> sample index, row weights: 1 for samples, 0 for padding rows). The row count is the same on every
+        process: the largest sample count (at least 1), rounded up to a multiple of `chunks`.
     """
-    kept = list(range(num_samples))
-    if bound is not None and num_samples > chunks * bound:
-        kept = sorted(random.Random(draw_seed).sample(kept, chunks * bound))
-    num_rows = max(max_across_processes(len(kept)), 1)
+    num_rows = max(max_across_processes(num_samples), 1)
     num_rows = -(-num_rows // chunks) * chunks
-    padding = [kept[k % len(kept)] if kept else 0 for k in range(num_rows - len(kept))]
-    return kept + padding, [1.0] * len(kept) + [0.0] * len(padding), num_samples - len(kept)
+    samples = list(range(num_samples))
+    padding = [k % num_samples if num_samples else 0 for k in range(num_rows - num_samples)]
+    return samples + padding, [1.0] * num_samples + [0.0] * len(padding)
 
 
 def padded_batch(completions: Sequence[Completion], weights: Sequence[float], advantages: Sequence[float], *,

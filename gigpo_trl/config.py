@@ -147,12 +147,12 @@ class GiGPOConfig(GRPOConfig):
     )
     max_step_samples_per_micro_batch: int | None = field(
         default=None,
-        metadata={"help": "Upper bound on the step samples of one forward/backward pass of the update; it bounds the "
-                  "update's peak memory whatever the episode lengths. The step samples of a rollout are split into "
-                  "steps_per_generation micro-batches; if a process has more than steps_per_generation times this "
-                  "bound, samples are drawn uniformly to fit (after the advantages are computed) and the number "
-                  "dropped is logged as gigpo/subsampled_rows. Evaluation keeps every sample and runs its loss in passes of "
-                  "at most this many rows (None: per_device_eval_batch_size rows). None: no bound."},
+        metadata={"help": "Upper bound on the step samples of one forward/backward pass: it bounds the update's peak "
+                  "memory whatever the episode lengths, and changes nothing else. The step samples of a rollout are split "
+                  "into steps_per_generation micro-batches; a micro-batch of more rows than the bound runs its "
+                  "forward/backward passes in chunks of at most the bound, with the gradients accumulated, so every sample "
+                  "trains and the loss and gradient are those of the whole micro-batch. Evaluation runs its loss in passes "
+                  "of at most this many rows (None: per_device_eval_batch_size). None: no bound (one pass per micro-batch)."},
     )
     dynamic_sampling_max_rounds: int = field(
         default=0,
@@ -275,11 +275,12 @@ class GiGPOConfig(GRPOConfig):
         for name, (default, replacement) in REPLACED_FIELDS.items():
             if getattr(self, name) != default:
                 problems.append(f"{name}={getattr(self, name)!r} has no effect in GiGPO ({replacement}); leave it at {default!r}")
-        if self.entropy_coef != 0.0 or self.use_adaptive_entropy:
+        if self.top_entropy_quantile < 1.0 and self.max_step_samples_per_micro_batch is not None:
             problems.append(
-                f"entropy_coef={self.entropy_coef} / use_adaptive_entropy={self.use_adaptive_entropy}: TRL's entropy bonus "
-                "is a per-micro-batch mean, which the zero-weight rows that keep processes in lock-step would dilute; "
-                "it is not supported (leave entropy_coef=0.0 and use_adaptive_entropy=False)"
+                f"top_entropy_quantile={self.top_entropy_quantile} selects the tokens above an entropy quantile of each "
+                f"micro-batch, and max_step_samples_per_micro_batch={self.max_step_samples_per_micro_batch} may split a "
+                "micro-batch into chunks, whose quantiles differ from the micro-batch's: the update would change with the "
+                "memory bound. Leave max_step_samples_per_micro_batch unset (None) or top_entropy_quantile at 1.0"
             )
         num_generations_eval = self.num_generations_eval or self.num_generations
         if self.per_device_eval_batch_size % num_generations_eval:

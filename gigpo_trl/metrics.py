@@ -63,7 +63,6 @@ class RolloutSummary:
     longest_answer: float  # tokens (-inf: no answer)
     prompt_tokens: int
     generated_tokens: int
-    subsampled: int  # step samples left out of the update by max_step_samples_per_micro_batch
     update_samples: int  # step samples that are rows of the update (padding rows aside)
     update_nonzero: int  # of those, the samples whose advantage is not 0
     times: RolloutTimes
@@ -72,7 +71,7 @@ class RolloutSummary:
 
     @classmethod
     def of(cls, rollout: Rollout, gigpo: GiGPOAdvantages, times: RolloutTimes, *, max_completion_length: int,
-           end_token_ids: Collection[int], subsampled: int, update_samples: Sequence[int],
+           end_token_ids: Collection[int], update_samples: Sequence[int],
            sampling: SamplingCounts | None = None) -> RolloutSummary:
         """Summarize a rollout, its advantages (`compute_gigpo_advantages` of its step columns) and its times.
 
@@ -110,7 +109,6 @@ class RolloutSummary:
             longest_answer=max(answer_lengths, default=-np.inf),
             prompt_tokens=sum(len(c.prompt_ids) for c in steps.completion),
             generated_tokens=rollout.generated_tokens,
-            subsampled=subsampled,
             update_samples=len(update_samples),
             update_nonzero=int(np.count_nonzero(gigpo.advantages[np.asarray(update_samples, dtype=np.int64)])),
             times=times,
@@ -148,7 +146,6 @@ def rollout_metrics(summaries: Sequence[RolloutSummary], update_seconds: float |
         "env/invalid_action_rate": total("invalid") / max(steps, 1),
         "env/step_samples": steps,
         **step_groups,
-        "gigpo/subsampled_rows": total("subsampled"),
         "gigpo/update_step_samples": total("update_samples"),
         "gigpo/nonzero_advantage_share": total("update_nonzero") / max(total("update_samples"), 1),
         "timing/rollout_s": slowest("rollout"),
@@ -173,6 +170,11 @@ def rollout_metrics(summaries: Sequence[RolloutSummary], update_seconds: float |
     return metrics
 
 
+# GRPOTrainer's loss metrics averaged over rows (not tokens) under importance_sampling_level="sequence"; "vespo/phi_seq_mean"
+# always is.
+SEQUENCE_LEVEL_ROW_METRICS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "cispo_clip_ratio")
+
+
 def padding_free_row_metrics(logged: dict[str, float], real: int, total: int, importance_sampling_level: str) -> dict[str, float]:
     """The per-row metrics of GRPOTrainer's loss recomputed over the `real` rows of a micro-batch of `total` rows.
 
@@ -188,12 +190,36 @@ def padding_free_row_metrics(logged: dict[str, float], real: int, total: int, im
     if "vespo/phi_seq_mean" in logged:
         corrected["vespo/phi_seq_mean"] = (logged["vespo/phi_seq_mean"] * total - (total - real)) / real
     if importance_sampling_level == "sequence":
-        for key in ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "cispo_clip_ratio"):
+        for key in SEQUENCE_LEVEL_ROW_METRICS:
             if key in logged:
                 corrected[key] = logged[key] * total / real
         if "clip_ratio/low_min" in logged:  # per-row values are 0 or 1: the minimum is 1 only if every real row is 1
             corrected["clip_ratio/low_min"] = 1.0 if corrected["clip_ratio/low_mean"] >= 1.0 - 1e-9 else 0.0
     return corrected
+
+
+def merged_pass_metrics(passes: Sequence[float], rows: Sequence[int], tokens: Sequence[int], name: str,
+                        importance_sampling_level: str) -> float:
+    """One loss metric of a micro-batch from its values in the passes it ran in (the memory bound's row chunks), as if
+    it had run in one pass: extremes (`*_min`, `*_max`) by their extreme, `policy_loss` (each pass's share of the
+    rollout's token mean) by its sum, the coefficient `entropy_coef` as it is, and the means by their mean weighted
+    with the real tokens (or, for the row-level ones, the real rows) of each pass.
+
+    Args:
+        passes: the metric's value in each pass that held real rows, in order.
+        rows, tokens: the real rows and real completion tokens of those passes, all processes.
+    """
+    if name.endswith("_min"):
+        return min(passes)
+    if name.endswith("_max"):
+        return max(passes)
+    if name == "policy_loss":
+        return float(sum(passes))
+    if name == "entropy_coef":
+        return passes[-1]
+    row_level = name == "vespo/phi_seq_mean" or (importance_sampling_level == "sequence" and name in SEQUENCE_LEVEL_ROW_METRICS)
+    weights = rows if row_level else tokens
+    return float(np.average(passes, weights=weights))
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from accelerate.utils import gather_object
+from accelerate.utils import DistributedType, gather_object
 from datasets import Dataset
 from trl import GRPOTrainer
 
@@ -24,9 +24,10 @@ from gigpo_trl.dynamic_sampling import SamplingCounts, extra_task_rows, sample_g
 from gigpo_trl.env_pool import EnvPool
 from gigpo_trl.envs import TextEnv, env_factory
 from gigpo_trl.generation import completions_from_tokens, greedy_decoding, vllm_awake
+from gigpo_trl.loss import entropy_bonus, next_entropy_coef, rollout_token_normalizer, row_chunks
 from gigpo_trl.metrics import (
-    SINGLETON_WARNING, SINGLETON_WARNING_SHARE, PanelEpisode, RolloutSummary, RolloutTimes, padding_free_row_metrics,
-    panel_metrics, rollout_metrics,
+    SINGLETON_WARNING, SINGLETON_WARNING_SHARE, PanelEpisode, RolloutSummary, RolloutTimes, merged_pass_metrics,
+    padding_free_row_metrics, panel_metrics, rollout_metrics,
 )
 from gigpo_trl.models import resolve_model
 from gigpo_trl.prompts import PromptTemplate, load_template, template_for
@@ -62,14 +63,18 @@ class GiGPOTrainer(GRPOTrainer):
       sampling, `dynamic_sampling_max_rounds`, plays more rounds of tasks until enough task groups carry a signal),
       and returns exactly the batch the parent's `_compute_loss` expects, with zero-weight padding rows that keep
       processes in lock-step (equal generation calls, equal row counts).
-    - `_compute_loss` calls the parent's and only corrects its per-row metrics for those padding rows.
-    - `prediction_step` computes the evaluation loss in slices of bounded size (the parent runs one forward pass
-      over the whole rollout); `evaluate` keeps its time out of `timing/update_s`; `log` first recomputes an
-      evaluation's episode metrics over its distinct tasks.
+    - `compute_loss` runs a training micro-batch in passes of at most `max_step_samples_per_micro_batch` rows with
+      their gradients accumulated (the same loss and gradient, the memory of one pass), and `prediction_step` the
+      evaluation loss likewise (the parent runs one forward pass over the whole rollout).
+    - `_compute_loss` calls the parent's, corrects its per-row metrics for the padding rows, and subtracts the entropy
+      bonus (`entropy_coef`) as a token mean over the rollout, where the parent's is a mean per micro-batch
+      (`gigpo_trl.loss`); `_get_per_token_logps_and_entropies` keeps the entropies of the loss's pass for it.
+    - `evaluate` keeps its time out of `timing/update_s`; `log` first recomputes an evaluation's episode metrics over
+      its distinct tasks.
     - `_name`, `_tag_names` and `_paper`: the model card (`create_model_card`, which `push_to_hub` and every checkpoint
       run) names GiGPO, is tagged `gigpo` and cites the GiGPO paper.
     The loss itself, reference and old log-probs (`_get_per_token_logps_and_entropies`), PEFT, DeepSpeed/FSDP,
-    checkpointing and logging are inherited unchanged.
+    checkpointing and logging are otherwise inherited unchanged.
 
     Args:
         model: a Hub model id, a local directory, `gigpo_trl.EMBEDDED_MODEL` (SmolLM2-135M-Instruct from
@@ -162,6 +167,10 @@ class GiGPOTrainer(GRPOTrainer):
                                          anchor=args.tool_anchor, max_steps=args.max_env_steps)
             self.env_name = getattr(environment_factory, "__name__", type(environment_factory).__name__)
             self.dialogue = ToolCallDialogue(self.processing_class, args.history_length)
+        # TRL's entropy bonus averages per micro-batch; GiGPO's is a token mean over the rollout (`_compute_loss`).
+        self._rollout_entropy_bonus, self._entropy_bonus_enabled = self._entropy_bonus_enabled, False
+        self._loss_entropies: torch.Tensor | None = None  # of the loss's latest forward pass
+        self._pass_counts: list[tuple[int, int]] = []  # real rows and tokens (all processes) of a micro-batch's passes
         self._pools: dict[str, EnvPool] = {}
         self._last_rollout_end: float | None = None  # of the latest training rollout
         self._seconds_outside_updates = 0.0  # evaluation time since then, which is not the update's
@@ -220,14 +229,12 @@ class GiGPOTrainer(GRPOTrainer):
             rollout_seconds += sampling.extra_rollout_s
         self.last_rollout = rollout
 
-        # 4. Rows: those samples (or a uniform draw under the memory bound), then zero-weight padding
-        #    so that every process has the same number of rows, divisible by steps_per_generation.
-        rows, weights, num_dropped = rows_for_update(
+        # 4. Rows: every sample, then zero-weight padding so that every process has the same number of rows,
+        #    divisible by steps_per_generation. (The memory bound splits the loss's passes, not the samples:
+        #    compute_loss, prediction_step.)
+        rows, weights = rows_for_update(
             len(samples),
             chunks=self.args.steps_per_generation if mode == "train" else 1,
-            # Evaluation keeps every sample: its loss runs in forward passes of at most the bound (prediction_step).
-            bound=self.args.max_step_samples_per_micro_batch if mode == "train" else None,
-            draw_seed=f"{self.args.seed}-{self.state.global_step}-{self.accelerator.process_index}",
             max_across_processes=self._max_across_processes,
         )
         if samples:
@@ -241,8 +248,7 @@ class GiGPOTrainer(GRPOTrainer):
         # 5. Metrics, records and completion logs.
         times = RolloutTimes(rollout_seconds, rollout.generation_seconds, rollout.env_seconds, advantage_seconds)
         update_samples = [r for r, w in zip(rows, weights) if w]
-        metrics = self._log_rollout_metrics(mode, rollout, gigpo, times, num_dropped, update_seconds, update_samples,
-                                            sampling)
+        metrics = self._log_rollout_metrics(mode, rollout, gigpo, times, update_seconds, update_samples, sampling)
         self._write_records(mode, metrics, rollout, gigpo)
         if self.log_completions:
             self._log_step_samples(rollout, gigpo.advantages)
@@ -356,16 +362,83 @@ class GiGPOTrainer(GRPOTrainer):
     # The loss and evaluation, as GRPOTrainer's with padding rows left out.
     # ------------------------------------------------------------------------------------------
 
+    def compute_loss(self, model, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch=None):
+        """GRPOTrainer's loss of a training micro-batch, in passes of at most max_step_samples_per_micro_batch rows
+        (`_loss_in_passes`), whose gradients are accumulated: the same loss and gradient as one pass, with the peak
+        memory of one pass."""
+        if not self.model.training:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        loss = self._loss_in_passes(model, inputs, self.args.max_step_samples_per_micro_batch, backward=True)
+        if self._rollout_entropy_bonus and self.use_adaptive_entropy and self.accelerator.sync_gradients:
+            self._adapt_entropy_coef()
+        return loss
+
+    def _loss_in_passes(self, model, inputs: dict[str, Any], size: int | None, *, backward: bool) -> torch.Tensor:
+        """GRPOTrainer's loss of a micro-batch computed over its row chunks of at most `size` rows
+        (`gigpo_trl.loss.row_chunks`) and summed: exact for the allowed loss types, which sum over tokens and divide by
+        the whole rollout's token count; every process makes the same number of passes (its row count is the same).
+        With `backward`, every pass but the last is backpropagated here, its gradients accumulated without a sync or an
+        optimizer step, and the last is returned for the Trainer's backward pass, carrying the earlier passes' loss as
+        a constant. The loss metrics the passes log are merged into the micro-batch's (`merged_pass_metrics`)."""
+        mode = "train" if self.model.training else "eval"
+        logged = {key: len(values) for key, values in self._metrics[mode].items()}
+        self._pass_counts = []
+        chunks = row_chunks(inputs, size)
+        earlier = 0.0
+        for chunk in chunks[:-1]:
+            loss = super().compute_loss(model, chunk)
+            if backward:
+                self._backward_accumulating(model, loss)
+            earlier = earlier + loss.detach()
+        loss = super().compute_loss(model, chunks[-1]) + earlier
+        if len(chunks) > 1:
+            self._merge_pass_metrics(mode, logged)
+        return loss
+
+    def _merge_pass_metrics(self, mode: str, logged: dict[str, int]) -> None:
+        """One value per loss metric for a micro-batch that ran in several passes, as one pass would have logged it.
+        Passes without a real row (on every process) log nothing (`_compute_loss`); a metric logged once per pass that
+        held real rows is merged, any other (logged once per micro-batch) left as it is."""
+        counts = [(rows, tokens) for rows, tokens in self._pass_counts if rows]
+        for key, values in self._metrics[mode].items():
+            passes = values[logged.get(key, 0):]
+            if len(passes) > 1 and len(passes) == len(counts):
+                merged = merged_pass_metrics(passes, [r for r, _ in counts], [t for _, t in counts], key,
+                                             self.importance_sampling_level)
+                values[logged.get(key, 0):] = [merged]
+
+    def _backward_accumulating(self, model, loss: torch.Tensor) -> None:
+        """The backward pass of a chunk that is not its micro-batch's last: the Trainer's (`accelerator.backward`),
+        with the gradients kept for the next chunk: no all-reduce (DDP, FSDP), no DeepSpeed accumulation boundary,
+        no optimizer step."""
+        if self.accelerator.distributed_type == DistributedType.DEEPSPEED:
+            self.accelerator.deepspeed_engine_wrapped.backward(loss, sync_gradients=False, scale_wrt_gas=False)
+        else:
+            with self.accelerator.no_sync(model):
+                self.accelerator.backward(loss)
+
+    def _get_per_token_logps_and_entropies(self, *args: Any, **kwargs: Any):
+        """GRPOTrainer's forward pass; the entropies of the loss's pass (`compute_entropy`) are kept for the entropy
+        bonus of `_compute_loss`."""
+        outputs = super()._get_per_token_logps_and_entropies(*args, **kwargs)
+        if kwargs.get("compute_entropy"):
+            self._loss_entropies = outputs[1]
+        return outputs
+
     def _compute_loss(self, model, inputs: dict[str, Any]) -> torch.Tensor:
-        """GRPOTrainer's loss (exact under padding rows: see SUPPORTED_LOSS_TYPES), with its metrics made to leave
-        the padding rows out: a micro-batch holding only padding rows (on every process) logs nothing, and the
-        metrics with one value per row count real rows only."""
+        """GRPOTrainer's loss (exact under padding rows: see SUPPORTED_LOSS_TYPES) minus the entropy bonus as a token
+        mean over the rollout (`gigpo_trl.loss`), with its metrics made to leave the padding rows out: a micro-batch
+        holding only padding rows (on every process) logs nothing, and the metrics with one value per row count real
+        rows only."""
         mode = "train" if self.model.training else "eval"
         logged = {key: len(values) for key, values in self._metrics[mode].items()}
         loss = super()._compute_loss(model, inputs)
+        entropies, self._loss_entropies = self._loss_entropies, None
+        loss_mask = inputs["completion_mask"] * inputs["tool_mask"]
         real_rows = (inputs["tool_mask"].sum(dim=1) > 0).sum()
-        counts = torch.stack([real_rows, torch.tensor(inputs["tool_mask"].size(0), device=real_rows.device)])
-        real, total = self.accelerator.reduce(counts, "sum").tolist()
+        counts = torch.stack([real_rows, torch.tensor(inputs["tool_mask"].size(0), device=real_rows.device), loss_mask.sum()])
+        real, total, tokens = self.accelerator.reduce(counts, "sum").tolist()
+        self._pass_counts.append((real, tokens))
         added = {key: values for key, values in self._metrics[mode].items() if len(values) > logged.get(key, 0)}
         if real == 0:
             for key, values in added.items():
@@ -374,7 +447,42 @@ class GiGPOTrainer(GRPOTrainer):
             per_row = {key: values[-1] for key, values in added.items()}
             for key, value in padding_free_row_metrics(per_row, real, total, self.importance_sampling_level).items():
                 self._metrics[mode][key][-1] = value
+        if self._rollout_entropy_bonus:
+            loss = loss - self._entropy_bonus(entropies, inputs, mode)
         return loss
+
+    def _entropy_bonus(self, entropies: torch.Tensor, inputs: dict[str, Any], mode: str) -> torch.Tensor:
+        """This micro-batch's share of `entropy_coef` times the rollout's token-mean entropy (`gigpo_trl.loss`). Under
+        `top_entropy_quantile` < 1 it acts on the tokens the policy term trains, as TRL's; under `use_adaptive_entropy`
+        the coefficient applies while the previous step's entropy is at or below `entropy_target` (TRL's rule), and
+        this step's entropy is summed for the next update of the coefficient (`_adapt_entropy_coef`)."""
+        mask = inputs["completion_mask"] * inputs["tool_mask"]
+        if self.top_entropy_quantile < 1.0:
+            mask = mask * self.get_high_entropy_mask(entropies, mask, 1 - self.top_entropy_quantile)
+        normalizer = rollout_token_normalizer(
+            inputs["num_items_in_batch"], num_processes=self.accelerator.num_processes,
+            accumulation_steps=self.current_gradient_accumulation_steps,
+            steps_per_generation=self.args.steps_per_generation, training=mode == "train")
+        coef = self.entropy_coef
+        if self.use_adaptive_entropy:
+            coef = coef if self._last_world_entropy <= self.args.entropy_target else 0.0
+            if mode == "train":
+                window = torch.stack([(entropies * mask).sum(), mask.sum()]).detach()
+                self._entropy_window_stats = window if self._entropy_window_stats is None else self._entropy_window_stats + window
+        if mode == "train" and self.accelerator.sync_gradients and not self.use_adaptive_entropy:
+            self._metrics[mode]["entropy_coef"].append(coef)
+        return entropy_bonus(entropies, mask, normalizer, coef)
+
+    def _adapt_entropy_coef(self) -> None:
+        """At an optimizer step: the rollout's token-mean entropy over the step's micro-batches and processes moves the
+        adaptive coefficient (`next_entropy_coef`), which the next step applies; logged as `entropy_coef`."""
+        totals = self.accelerator.reduce(self._entropy_window_stats, reduction="sum")
+        self._last_world_entropy = (totals[0] / totals[1].clamp(min=1.0)).item()
+        self.entropy_coef = next_entropy_coef(
+            self.entropy_coef, self._last_world_entropy, target=self.args.entropy_target,
+            delta=self.args.entropy_coef_delta, minimum=self.args.entropy_coef_min, maximum=self.args.entropy_coef_max)
+        self._entropy_window_stats = None
+        self._metrics["train"]["entropy_coef"].append(self.entropy_coef)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """GRPOTrainer's log; an evaluation's episode metrics are first recomputed over its distinct tasks."""
@@ -399,31 +507,21 @@ class GiGPOTrainer(GRPOTrainer):
         """The evaluation loss of a held-out rollout (GRPOTrainer's runs every row in one forward pass)."""
         inputs = self._prepare_inputs(inputs)
         with torch.no_grad(), self.compute_loss_context_manager():
-            loss = self._loss_in_parts(model, inputs)
+            size = self.args.max_step_samples_per_micro_batch or self.args.per_device_eval_batch_size
+            loss = self._loss_in_passes(model, inputs, size, backward=False)
         return loss.detach(), None, None
-
-    def _loss_in_parts(self, model, inputs: dict[str, Any]) -> torch.Tensor:
-        """`compute_loss` over slices of at most max_step_samples_per_micro_batch rows (else
-        per_device_eval_batch_size), summed. Exact for the allowed loss types, which sum over tokens and
-        divide by the whole batch's token count; every process makes the same number of passes (its row
-        count is the same)."""
-        rows = inputs["prompt_ids"].size(0)
-        size = self.args.max_step_samples_per_micro_batch or self.args.per_device_eval_batch_size
-        parts = [{key: value[start : start + size] if isinstance(value, torch.Tensor) and value.dim() else value
-                  for key, value in inputs.items()} for start in range(0, rows, size)]
-        return sum(self.compute_loss(model, part) for part in parts)
 
     # ------------------------------------------------------------------------------------------
     # Metrics, records and completion logs of a rollout.
     # ------------------------------------------------------------------------------------------
 
     def _log_rollout_metrics(self, mode: str, rollout: Rollout, gigpo: GiGPOAdvantages, times: RolloutTimes,
-                             num_dropped: int, update_seconds: float | None, update_samples: list[int],
+                             update_seconds: float | None, update_samples: list[int],
                              sampling: SamplingCounts | None) -> dict[str, float]:
         """The rollout's metrics over all processes (`gigpo_trl.metrics`) into TRL's `_metrics`; returns them."""
         summary = RolloutSummary.of(rollout, gigpo, times, max_completion_length=self.max_completion_length,
                                     end_token_ids={*self.eos_token_ids, self._tokenizer.pad_token_id},
-                                    subsampled=num_dropped, update_samples=update_samples, sampling=sampling)
+                                    update_samples=update_samples, sampling=sampling)
         summaries = gather_object([summary])
         metrics = rollout_metrics(summaries, update_seconds)
         if mode == "train":
@@ -434,9 +532,6 @@ class GiGPOTrainer(GRPOTrainer):
 
         if metrics.get("dynamic_sampling/groups_missing"):
             warnings.warn(_short_update_message(metrics), stacklevel=2)
-        if metrics["gigpo/subsampled_rows"] and mode == "train":
-            warnings.warn(f"max_step_samples_per_micro_batch: {int(metrics['gigpo/subsampled_rows'])} step samples were "
-                          "left out of this update (drawn uniformly; logged as gigpo/subsampled_rows)", stacklevel=2)
         # Evaluation plays num_generations_eval copies, often 1: its step groups say nothing about the anchors.
         singleton_share = metrics["gigpo/singleton_share"]
         if mode == "train" and metrics["gigpo/num_step_groups"] and singleton_share > SINGLETON_WARNING_SHARE \

@@ -53,7 +53,8 @@ def main(options: argparse.Namespace) -> None:
         gradient_accumulation_steps=1, per_device_train_batch_size=TRAJECTORIES // _world_size(),
         max_steps=2, max_env_steps=15, max_completion_length=8, learning_rate=1e-3, logging_steps=1,
         report_to=[], gradient_checkpointing=False, shuffle_dataset=False, seed=0, per_device_eval_batch_size=4,
-        bf16=False, beta=options.beta, **sampling,
+        bf16=False, beta=options.beta, entropy_coef=options.entropy_coef,
+        max_step_samples_per_micro_batch=options.max_step_samples, **sampling,
         **({"save_strategy": "steps", "save_steps": options.save_steps} if options.save_steps else {"save_strategy": "no"}),
     )
     peft_config = None
@@ -108,6 +109,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--lengths", type=int, nargs=4, default=[3, 3, 12, 12],
                         help="corridor lengths of a rollout's 4 tasks, the first two on process 0 (of 2)")
     parser.add_argument("--beta", type=float, default=0.0, help="KL coefficient (> 0: a reference model)")
+    parser.add_argument("--entropy-coef", type=float, default=0.0, help="the entropy bonus's coefficient")
+    parser.add_argument("--max-step-samples", type=int, default=None,
+                        help="max_step_samples_per_micro_batch: the loss's passes of at most this many rows")
     parser.add_argument("--lora", action="store_true", help="train a LoRA adapter (r 8, all linear layers)")
     parser.add_argument("--save-steps", type=int, default=None, help="save a checkpoint every this many steps")
     parser.add_argument("--resume-from", default=None, help="a checkpoint folder to resume training from")

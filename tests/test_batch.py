@@ -101,7 +101,7 @@ def test_padding_rows_carry_no_loss_and_no_advantage(tmp_path, tiny_model_path):
     trainer.close_environments()
 
 
-def test_memory_bound_caps_the_rows_of_every_forward_pass_with_long_episodes(tmp_path, tiny_model_path):
+def test_memory_bound_caps_the_rows_of_every_forward_pass_and_every_sample_trains(tmp_path, tiny_model_path):
     class RecordingTrainer(GiGPOTrainer):
         rows_per_forward: list[int] = []
 
@@ -114,12 +114,12 @@ def test_memory_bound_caps_the_rows_of_every_forward_pass_with_long_episodes(tmp
     dataset = task_dataset([0, 1], options=[{"length": 40}] * 2)  # episodes never end: 4 x 20 = 80 samples
     trainer = RecordingTrainer(tiny_model_path, args=config, train_dataset=dataset)
 
-    with pytest.warns(UserWarning, match="74 step samples were left out"):
-        trainer.train()
+    trainer.train()
 
-    assert RecordingTrainer.rows_per_forward == [3, 3]  # bound 3 rows, 2 micro-batches: 6 of 80 samples
-    log = next(e for e in trainer.state.log_history if "gigpo/subsampled_rows" in e)
-    assert log["gigpo/subsampled_rows"] == 74 and log["env/step_samples"] == 80
+    # 2 micro-batches of 40 rows, each in passes of at most 3 rows: 14 passes of 3 and one of 1 per micro-batch.
+    assert RecordingTrainer.rows_per_forward == ([3] * 13 + [1]) * 2
+    log = next(e for e in trainer.state.log_history if "env/step_samples" in e)
+    assert log["env/step_samples"] == 80 and log["gigpo/update_step_samples"] == 80
     trainer.close_environments()
 
 

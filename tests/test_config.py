@@ -102,14 +102,21 @@ def test_the_other_loss_types_are_refused_with_the_reason(tmp_path, loss_type):
         (dict(scale_rewards=False), "scale_rewards='none' has no effect in GiGPO"),
         (dict(reward_weights=[1.0, 0.5]), "reward_weights=[1.0, 0.5] has no effect in GiGPO (rewards come from the environment"),
         (dict(multi_objective_aggregation="normalize_then_sum"), "multi_objective_aggregation='normalize_then_sum' has no effect"),
-        (dict(entropy_coef=0.01), "entropy_coef=0.01 / use_adaptive_entropy=False: TRL's entropy bonus is a per-micro-batch mean"),
-        (dict(use_adaptive_entropy=True), "use_adaptive_entropy=True: TRL's entropy bonus"),
+        (dict(top_entropy_quantile=0.2, max_step_samples_per_micro_batch=8),
+         "top_entropy_quantile=0.2 selects the tokens above an entropy quantile of each micro-batch, and "
+         "max_step_samples_per_micro_batch=8 may split a micro-batch into chunks"),
     ],
 )
 def test_settings_gigpo_replaces_or_cannot_honour_are_refused(tmp_path, overrides, message):
     with pytest.raises(ValueError, match="invalid GiGPOConfig: ") as error:
         settings_config(tmp_path, **overrides)
     assert message in str(error.value)
+
+
+def test_the_entropy_bonus_and_the_entropy_quantile_alone_are_accepted(tmp_path):
+    settings_config(tmp_path, entropy_coef=0.001)
+    settings_config(tmp_path, use_adaptive_entropy=True, entropy_coef=0.0)
+    settings_config(tmp_path, top_entropy_quantile=0.2)
 
 
 def test_the_defaults_of_the_replaced_fields_are_accepted(tmp_path):

@@ -3,8 +3,10 @@
 plain data parallelism to float rounding), DeepSpeed's CPU accelerator and gloo between the processes.
 
 Every run is tests/distributed_run.py: scripted answers (the same rollout whatever the weights), 2 iterations of 4
-corridor tasks x 2 copies, a KL term (beta 0.01: a reference model, prepared by TRL for DeepSpeed too), then the
-evaluation panel. Process 0's corridors have 1 cell, so each of its episodes ends at the first step; process 1's
+corridor tasks x 2 copies, a KL term (beta 0.01: a reference model, prepared by TRL for DeepSpeed too) and the entropy
+bonus, then the evaluation panel. The DeepSpeed runs compute the loss in passes of at most 2 rows
+(max_step_samples_per_micro_batch: DeepSpeed accumulates the gradients of a micro-batch's passes), the plain
+data-parallel run in one pass per micro-batch. Process 0's corridors have 1 cell, so each of its episodes ends at the first step; process 1's
 take 11-12 steps. The runs are launched once per module and shared by the tests.
 
 CI runs this module (deepspeed is in the README's test install, with GIGPO_TRL_REQUIRE_DEEPSPEED=1); elsewhere it is
@@ -28,7 +30,7 @@ require("deepspeed", "GIGPO_TRL_REQUIRE_DEEPSPEED", "pip install -c constraints.
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-UNEVEN_RUN = ("--lengths", "1", "1", "12", "12", "--beta", "0.01")
+UNEVEN_RUN = ("--lengths", "1", "1", "12", "12", "--beta", "0.01", "--entropy-coef", "0.1")
 LEARNING_RATE = 1e-3  # distributed_run.py's
 # DeepSpeed sums the squares of its flat gradient partitions, DDP those of each parameter: the logged gradient norms
 # differ in the last float32 digits (measured: 9e-7 relative). A gradient not averaged over the processes, or one
@@ -43,7 +45,7 @@ UPDATE_TOLERANCE = 1e-2 * LEARNING_RATE
 
 def deepspeed_run(stage: int, model_dir: str, output_dir, *options: str) -> dict:
     return finished_run(deepspeed_launcher(stage, num_processes=2, mixed_precision="no"), model_dir, output_dir,
-                        *UNEVEN_RUN, *options, timeout=600)
+                        *UNEVEN_RUN, "--max-step-samples", "2", *options, timeout=600)
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +111,7 @@ def test_two_deepspeed_iterations_give_the_losses_and_updates_of_plain_data_para
     for ours, theirs in zip(run["logs"], data_parallel["logs"]):
         for name in SAME_STATISTICS:  # the same rollout
             assert ours[name] == theirs[name], name
-        for name in ("loss", "grad_norm", "kl"):  # the second iteration's depend on the first update
+        for name in ("loss", "grad_norm", "kl", "entropy"):  # the second iteration's depend on the first update
             assert ours[name] == pytest.approx(theirs[name], rel=LOG_TOLERANCE), name
     assert run["evaluation"]["eval_loss"] == pytest.approx(data_parallel["evaluation"]["eval_loss"], rel=LOG_TOLERANCE)
 

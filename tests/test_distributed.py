@@ -8,7 +8,10 @@ import json
 import math
 
 import pytest
+import torch
 from launchers import finished_run, run_script, torchrun
+
+LEARNING_RATE = 1e-3  # distributed_run.py's
 
 SAME_STATISTICS = [
     "env/success_rate", "env/episode_length_mean", "env/truncated_share", "env/invalid_action_rate", "env/step_samples",
@@ -24,11 +27,28 @@ def launch(num_processes: int, model_dir: str, output_dir, *options: str) -> tup
     return written["logs"], written["evaluation"]
 
 
+# The two runs compared with each other: both with the entropy bonus; the two processes' in passes of one row (the
+# memory bound), the one process's in one pass per micro-batch. Padding rows: process 0's episodes are short.
+ENTROPY_COEF = 0.1
+
+
+@pytest.fixture(scope="module")
+def two_processes(tiny_model_path, tmp_path_factory) -> dict:
+    return finished_run(torchrun(2), tiny_model_path, tmp_path_factory.mktemp("two"), "--entropy-coef", str(ENTROPY_COEF),
+                        "--max-step-samples", "1")
+
+
+@pytest.fixture(scope="module")
+def one_process(tiny_model_path, tmp_path_factory) -> dict:
+    return finished_run(torchrun(1), tiny_model_path, tmp_path_factory.mktemp("one"), "--entropy-coef", str(ENTROPY_COEF))
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_two_processes_with_uneven_episodes_finish_and_match_one_process(tmp_path, tiny_model_path):
-    two, two_evaluation = launch(2, tiny_model_path, tmp_path / "two")
-    one, one_evaluation = launch(1, tiny_model_path, tmp_path / "one")
+def test_two_processes_with_uneven_episodes_finish_and_match_one_process(two_processes, one_process):
+    assert (two_processes["processes"], one_process["processes"]) == (2, 1)
+    two, two_evaluation = two_processes["logs"], two_processes["evaluation"]
+    one, one_evaluation = one_process["logs"], one_process["evaluation"]
 
     assert len(two) == len(one) == 2
     for step_two, step_one in zip(two, one):
@@ -46,6 +66,22 @@ def test_two_processes_with_uneven_episodes_finish_and_match_one_process(tmp_pat
         assert evaluation["eval_env/success_rate"] == pytest.approx(2 / 3)
         assert evaluation["eval_env/success_rate/corridor-3"] == 1.0
         assert evaluation["eval_env/success_rate/corridor-20"] == 0.0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_entropy_bonus_and_the_memory_bound_leave_two_processes_update_that_of_one(two_processes, one_process):
+    # The same samples (scripted answers) make the same update: the loss is a token mean over the rollout, the entropy
+    # bonus too (TRL's mean per micro-batch would weigh process 0's few real tokens as much as process 1's many), and
+    # passes of one row accumulate the gradient of the whole micro-batch.
+    for ours, theirs in zip(two_processes["logs"], one_process["logs"]):
+        for name in ("loss", "grad_norm", "entropy", "entropy_coef"):
+            assert ours[name] == pytest.approx(theirs[name], rel=1e-5), name
+    before, after = (torch.load(run["output_dir"] / "parameters.pt") for run in (two_processes, one_process))
+    two_step = {name: before["after"][name] - before["before"][name] for name in before["after"]}
+    one_step = {name: after["after"][name] - after["before"][name] for name in after["after"]}
+    assert max(step.abs().max().item() for step in one_step.values()) > LEARNING_RATE  # the weights did move
+    assert max((two_step[name] - one_step[name]).abs().max().item() for name in one_step) <= 1e-2 * LEARNING_RATE
 
 
 @pytest.mark.slow

@@ -52,7 +52,7 @@ def test_the_evaluation_loss_runs_in_passes_of_at_most_the_bound_and_equals_one_
     sizes = forward_batch_sizes(trainer.model)
 
     with torch.no_grad():
-        in_parts = trainer._loss_in_parts(trainer.model, inputs)
+        in_parts = trainer._loss_in_passes(trainer.model, inputs, 3, backward=False)
         assert sizes == [3, 3, 3, 3]
         whole = trainer.compute_loss(trainer.model, inputs)
     torch.testing.assert_close(in_parts, whole, rtol=1e-5, atol=1e-7)

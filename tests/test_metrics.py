@@ -184,7 +184,7 @@ def success_metrics(seeds: list[int]) -> tuple[list, dict[str, float], dict[str,
     steps = rollout.steps
     gigpo = compute_gigpo_advantages(steps.reward, steps.group, steps.trajectory, steps.step, steps.anchor)
     summary = RolloutSummary.of(rollout, gigpo, RolloutTimes(1.0, 0.5, 0.5, 0.0), max_completion_length=8,
-                                end_token_ids={4}, subsampled=0, update_samples=range(len(steps)))
+                                end_token_ids={4}, update_samples=range(len(steps)))
     panel = panel_metrics([PanelEpisode.of(episode, group_size=1) for episode in rollout.episodes])
     return rollout.episodes, rollout_metrics([summary]), panel
 
