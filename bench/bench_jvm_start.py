@@ -12,8 +12,10 @@ so that the machine's load falls on both alike, and keeps all 2K alive. Start: t
 first observation (the JVM's start, the game's load and reset), and the CPU seconds the JVM had used by then (less
 sensitive to other processes than the wall clock). Memory: after every environment of the round has played
 `--steps` steps, the resident set (RSS) and the unique set (USS: the pages no other process shares, what one more
-JVM costs) of each environment's java process. Medians over every start of an arm; and how many of the arm's JVMs
-map a performance-data file (/tmp/hsperfdata_<user>/<pid>), which shows that the arms differ as they should.
+JVM costs) of each environment's java process. Medians over every start of an arm, the median of the paired
+differences (the n-th start of each arm ran one after the other) with how often "after" was lower, and how many of
+the arm's JVMs map a performance-data file (/tmp/hsperfdata_<user>/<pid>), which shows the arms differ as they
+should.
 """
 
 from __future__ import annotations
@@ -102,6 +104,14 @@ def main() -> None:
         for arm, median in medians.items():
             print(f"| {arm} | {median['start_s']:.3f} s | {median['start_cpu_s']:.3f} s | {median['rss_mib']:.1f} MiB | "
                   f"{median['uss_mib']:.1f} MiB | {sum(row['perf_data_files'] for row in rows[arm])} of {len(rows[arm])} |")
+        paired = {key: [after[key] - before[key] for before, after in zip(rows["before"], rows["after"])]
+                  for key in MEASURES}
+        results["engines"][name]["paired_median_after_minus_before"] = {
+            key: statistics.median(differences) for key, differences in paired.items()}
+        print("after - before, start by start (the n-th start of each arm, one after the other): median "
+              + ", ".join(f"{key} {statistics.median(differences):+.3f} (after lower in "
+                          f"{sum(d < 0 for d in differences)} of {len(differences)})"
+                          for key, differences in paired.items()))
     if args.output:
         with open(args.output, "w") as file:
             json.dump(results, file, indent=1)
