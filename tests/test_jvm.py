@@ -34,7 +34,8 @@ ENGINES = {
     "scienceworld": ("scienceworld", {"task": "boil"}, "ScienceWorld"),
 }
 # Options after which a JVM writes a warning of its unified log first, on stdout by default: string deduplication
-# under the serial collector both engines use (Java 11-17), large pages on a machine that has none configured.
+# under the serial collector both engines use (Java 17; from 18 on it deduplicates strings), large pages on a
+# machine that has none configured.
 STDOUT_WARNINGS = ("-XX:+UseStringDeduplication", "-XX:+UseLargePages")
 # The user's own options come last and win: with this one the JVM's log is on stdout again, so every start fails.
 LOG_ON_STDOUT = "-Xlog:all=warning:stdout"
