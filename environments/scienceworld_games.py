@@ -53,7 +53,8 @@ except ImportError as exc:
         "the ScienceWorld environment needs the scienceworld package: pip install 'gigpo-trl[scienceworld]'"
     ) from exc
 
-from gigpo_trl.env_base import BaseTextEnv, require_java, start_jvm
+from gigpo_trl.env_base import BaseTextEnv
+from gigpo_trl.environments.jvm import require_java, start_jvm
 from gigpo_trl.envs import FOLDS, INFO_ADMISSIBLE_ACTIONS, INFO_ANCHOR, INFO_TASK, INFO_TASK_TYPE, INFO_WON
 
 TASKS = tuple(ID2TASK.values())
@@ -111,8 +112,9 @@ class ScienceWorldEnv(BaseTextEnv):
         admissible_actions: give the engine's valid commands in `info["admissible_actions"]` (about 30 ms a step).
         gold_paths: ask the engine for its gold path at every reset (2-4 s), for `walkthrough`.
         temperature_bin: degrees per temperature bin of the anchor.
-        jvm_options: options of the JVM (default `JVM_OPTIONS`); the ones in the JAVA_TOOL_OPTIONS environment
-            variable come after them, so they win.
+        jvm_options: options of the JVM (default `JVM_OPTIONS`), after `jvm.START_OPTIONS` (no performance-data
+            file, log output off stdout); the ones in the JAVA_TOOL_OPTIONS environment variable come after them,
+            so they win. A start that fails is tried again (`jvm.START_ATTEMPTS` times in all).
     """
 
     seed_description = "a variation index (an int >= 0)"
@@ -201,7 +203,7 @@ class ScienceWorldEnv(BaseTextEnv):
 
     def _started(self) -> Any:
         if self._engine is None:
-            self._engine = start_jvm(lambda: Engine("", envStepLimit=1_000_000), self.jvm_options)
+            self._engine = start_jvm("ScienceWorld", lambda: Engine("", envStepLimit=1_000_000), self.jvm_options)
         return self._engine
 
     def _folds_of(self, task: str) -> dict[int, str]:

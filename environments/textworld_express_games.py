@@ -59,7 +59,8 @@ except ImportError as exc:
         "the TextWorldExpress environments need the textworld-express package: pip install 'gigpo-trl[textworld-express]'"
     ) from exc
 
-from gigpo_trl.env_base import BaseTextEnv, is_int, require_java, start_jvm
+from gigpo_trl.env_base import BaseTextEnv, is_int
+from gigpo_trl.environments.jvm import require_java, start_jvm
 from gigpo_trl.envs import FOLDS, INFO_ADMISSIBLE_ACTIONS, INFO_ANCHOR, INFO_TASK, INFO_TASK_TYPE, INFO_WON
 
 GAMES = ("cookingworld", "coin", "twc", "mapreader", "arithmetic", "sorting", "simonsays", "peckingorder")
@@ -96,8 +97,9 @@ class TextWorldExpressEnv(BaseTextEnv):
     Args:
         game: one of `GAMES`; default "cookingworld".
         max_steps: None: the environment never truncates; an int n >= 1: `truncated` is True at the n-th step.
-        jvm_options: options of the JVM (default `JVM_OPTIONS`); the ones in the JAVA_TOOL_OPTIONS environment
-            variable come after them, so they win.
+        jvm_options: options of the JVM (default `JVM_OPTIONS`), after `jvm.START_OPTIONS` (no performance-data
+            file, log output off stdout); the ones in the JAVA_TOOL_OPTIONS environment variable come after them,
+            so they win. A start that fails is tried again (`jvm.START_ATTEMPTS` times in all).
         **params: the game's parameters, e.g. `numLocations=3, includeDoors=0` (the engine's defaults otherwise).
 
     Stepping before `reset()` or after the episode ended raises a RuntimeError.
@@ -187,7 +189,8 @@ class TextWorldExpressEnv(BaseTextEnv):
 
     def _load(self, game: str, params: Mapping[str, Any]) -> None:
         if self._engine is None:
-            self._engine = start_jvm(lambda: Engine(envStepLimit=_ENGINE_STEP_LIMIT), self.jvm_options)
+            start = lambda: Engine(envStepLimit=_ENGINE_STEP_LIMIT)  # noqa: E731
+            self._engine = start_jvm("TextWorldExpress", start, self.jvm_options)
         param_string = ",".join(f"{name}={_param_value(value)}" for name, value in sorted(params.items()))
         if self._loaded != (game, param_string):
             self._engine.load(game, param_string)  # raises ValueError naming unknown or out-of-range parameters

@@ -19,43 +19,13 @@ an environment need not derive from this class, and a `gymnasium.Env` plugs in a
 
 from __future__ import annotations
 
-import os
-import shutil
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeVar
-
-T = TypeVar("T")
-JAVA_MISSING = (
-    "{environment} runs its games in a Java virtual machine, and no `java` executable is on the PATH. Install a Java "
-    "runtime (version 11 or newer), e.g. `sudo apt-get install -y openjdk-17-jre-headless` on Debian/Ubuntu, "
-    "`brew install openjdk@17` on macOS or `conda install -c conda-forge openjdk=17`, then check `java -version`."
-)
+from collections.abc import Mapping
+from typing import Any
 
 
 def is_int(value: Any) -> bool:
     """An int that is not a bool (`True` is an int to Python, never a seed or a count here)."""
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def require_java(environment: str) -> None:
-    """Raise a RuntimeError that says how to install Java when no `java` executable is on the PATH."""
-    if shutil.which("java") is None:
-        raise RuntimeError(JAVA_MISSING.format(environment=environment))
-
-
-def start_jvm(start: Callable[[], T], jvm_options: Sequence[str]) -> T:
-    """Call `start`, which launches a JVM (TextWorldExpress's and ScienceWorld's engines launch their own, with
-    options of their own), with `jvm_options` in JAVA_TOOL_OPTIONS for the launch only; the JVM reads that variable,
-    and the user's own options, which come after, win."""
-    previous = os.environ.get("JAVA_TOOL_OPTIONS")
-    os.environ["JAVA_TOOL_OPTIONS"] = " ".join([*jvm_options, previous or ""]).strip()
-    try:
-        return start()
-    finally:
-        if previous is None:
-            del os.environ["JAVA_TOOL_OPTIONS"]
-        else:
-            os.environ["JAVA_TOOL_OPTIONS"] = previous
 
 
 class BaseTextEnv:

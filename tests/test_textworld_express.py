@@ -229,5 +229,6 @@ def test_the_jvm_starts_with_the_lean_options_and_the_user_s_own_last(env_of, mo
     env = env_of("coin")
     env.reset(seed=0)
     launched_with = open(f"/proc/{env._engine._gateway.java_process.pid}/environ", "rb").read().split(b"\0")
-    assert b"JAVA_TOOL_OPTIONS=-XX:+UseSerialGC -XX:TieredStopAtLevel=1 -Xmx192m -Xmx300m" in launched_with
+    assert (b"JAVA_TOOL_OPTIONS=-XX:-UsePerfData -Xlog:disable -Xlog:all=warning:stderr "
+            b"-XX:+UseSerialGC -XX:TieredStopAtLevel=1 -Xmx192m -Xmx300m") in launched_with
     assert os.environ["JAVA_TOOL_OPTIONS"] == "-Xmx300m"  # restored after the launch
