@@ -356,7 +356,11 @@ def earlier_entropy(curves_csv: Path) -> dict[tuple[str, int], dict[int, float]]
     """{(method, seed): {step: entropy}} of the training rows of an earlier analysis's learning_curves.csv."""
     entropy: dict[tuple[str, int], dict[int, float]] = {}
     with open(curves_csv, newline="") as file:
-        for row in csv.DictReader(file):
+        reader = csv.DictReader(file)
+        if not {"method", "seed", "mode", "step", "entropy"} <= set(reader.fieldnames or ()):
+            raise ValueError(f"{curves_csv} is not a learning_curves.csv with an entropy column (its columns: "
+                             f"{reader.fieldnames})")
+        for row in reader:
             if row["mode"] == "train":
                 entropy.setdefault((row["method"], int(row["seed"])), {})[int(row["step"])] = float(row["entropy"])
     return entropy

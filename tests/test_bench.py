@@ -375,3 +375,12 @@ def test_the_analysis_reads_runs_brought_back_without_their_logs(tmp_path, monke
     rows, out = analyze()
     assert "grpo-seed0: no grpo-seed0.log: entropy not known" in out
     assert all(np.isnan(float(row["entropy"])) for row in rows if row["method"] == "GRPO (omega=0)")
+
+
+def test_an_entropy_source_without_an_entropy_column_is_refused_by_name(tmp_path):
+    from bench.learning import earlier_entropy
+
+    curves = tmp_path / "summary.csv"
+    curves.write_text("method,seed,mode,step,success_rate\nGiGPO,0,train,0,0.5\n")
+    with pytest.raises(ValueError, match="summary.csv is not a learning_curves.csv with an entropy column"):
+        earlier_entropy(curves)
