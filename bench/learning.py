@@ -36,6 +36,11 @@ and the step groups (mean size, singleton share) that the copies of a task form.
 Rooms diagnostics, in the summary and the plot (docs/results.md reads them): the share of steps that follow the
 draught, the mean advantage of steps that follow it and of those that go against it, and the policy entropy
 (from the runs' logs). --reading-probe asks, without RL, whether the model can learn to act on the observation.
+In every setting, per rollout: the step samples played and those the update left out (`gigpo/subsampled_rows`), the
+share of task groups whose copies all got the same return, and, where trajectories were logged, the share of steps
+that come back to the observation of two steps before (`two_step_loop_share`: a policy without history caught in a
+loop). Runs brought back from another machine without their logs take their entropy from the CSV of an analysis made
+there (--entropy-from).
 """
 
 from __future__ import annotations
@@ -293,11 +298,12 @@ def screen(config: Path, model: str, eval_tasks: int, sampled_tasks: int, copies
     }
 
 
-def draught_steps(output_dir: Path) -> list[tuple[int, bool, dict]]:
+def draught_steps(trajectories: dict[str, list[dict]]) -> list[tuple[int, bool, dict]]:
     """Rooms diagnostic: the recorded training steps taken where a draught blows (not in the treasure room), as
-    (rollout, whether the action follows the draught, the step record). Empty outside rooms."""
+    (rollout, whether the action follows the draught, the step record), from a run's `read_trajectories`. Empty
+    outside rooms."""
     return [(int(name.split("-")[1]), step["action"] == draught_move(step["observation"]), step)
-            for name, episodes in read_trajectories(output_dir).items() if name.startswith("train-")
+            for name, episodes in trajectories.items() if name.startswith("train-")
             for episode in episodes for step in episode["steps"] if "draught blows" in step["observation"]]
 
 
@@ -326,6 +332,16 @@ def draught_advantages(steps: list[tuple[int, bool, dict]]) -> dict[str, float] 
     return means | {"gap_in_std": (means["follows"] - means["against"]) / spread, "steps": sum(map(len, by_kind.values()))}
 
 
+def two_step_loop_share(episodes: list[dict]) -> float:
+    """The share of the logged steps, from each episode's third step on, taken where the observation is the one of
+    two steps before and the observation in between differs (A, B, A: a move undone, the loop of a policy without
+    history); NaN if no episode has a third step. The trajectory records hold observations, not anchors, so the
+    observation stands for the state."""
+    loops = [steps[t]["observation"] == steps[t - 2]["observation"] != steps[t - 1]["observation"]
+             for steps in (episode["steps"] for episode in episodes) for t in range(2, len(steps))]
+    return float(np.mean(loops)) if loops else float("nan")
+
+
 def logged_entropy(log_path: Path) -> list[float]:
     """The policy's mean token entropy of every training update, in order, from TRL's log lines in a run's log
     (`{'loss': ..., 'entropy': ...}`, one per update with logging_steps 1)."""
@@ -336,16 +352,49 @@ def logged_entropy(log_path: Path) -> list[float]:
     return entropies
 
 
-def curves(runs: dict[tuple[str, int], Path], hint_steps: dict[tuple[str, int], list]) -> list[dict]:
-    """One row per (method, seed, rollout): step, mode, success rate, return, step-group statistics, timings."""
+def earlier_entropy(curves_csv: Path) -> dict[tuple[str, int], dict[int, float]]:
+    """{(method, seed): {step: entropy}} of the training rows of an earlier analysis's learning_curves.csv."""
+    entropy: dict[tuple[str, int], dict[int, float]] = {}
+    with open(curves_csv, newline="") as file:
+        reader = csv.DictReader(file)
+        if not {"method", "seed", "mode", "step", "entropy"} <= set(reader.fieldnames or ()):
+            raise ValueError(f"{curves_csv} is not a learning_curves.csv with an entropy column (its columns: "
+                             f"{reader.fieldnames})")
+        for row in reader:
+            if row["mode"] == "train":
+                entropy.setdefault((row["method"], int(row["seed"])), {})[int(row["step"])] = float(row["entropy"])
+    return entropy
+
+
+def run_entropy(output_dir: Path, train_steps: list[int], earlier: dict[int, float]) -> dict[int, float]:
+    """{step: the policy entropy of that step's update}: from the run's log (the k-th update follows the k-th training
+    rollout) or, where the log is missing (records brought back from another machine without it), from `earlier`
+    (an earlier analysis's figures for this run, `earlier_entropy`); said when neither has it."""
+    log = run_log(output_dir)
+    if log.is_file():
+        return dict(zip(train_steps, logged_entropy(log)))
+    print(f"{output_dir.name}: no {log.name}: entropy {'from --entropy-from' if earlier else 'not known'}", flush=True)
+    return earlier
+
+
+def curves(runs: dict[tuple[str, int], Path], hint_steps: dict[tuple[str, int], list],
+           trajectories: dict[tuple[str, int], dict[str, list[dict]]],
+           entropy_from: dict[tuple[str, int], dict[int, float]]) -> list[dict]:
+    """One row per (method, seed, rollout): step, mode, success rate, return, step-group statistics, timings, the
+    step samples the rollout played and those its update left out, the invalid-answer rate, the share of task groups
+    whose copies all got the same return and of the update's samples with a nonzero advantage, and, where the
+    rollout's trajectories were logged, their `two_step_loop_share`."""
     rows = []
     for (method, seed), output_dir in runs.items():
         if not (output_dir / "gigpo" / "iterations.jsonl").is_file():  # not started yet, or failed at once
             print(f"{method} seed {seed}: no records in {output_dir}", flush=True)
             continue
         following = draught_following(hint_steps[method, seed])
-        entropy = iter(logged_entropy(run_log(output_dir)))  # the k-th update follows the k-th rollout
-        for record in read_iterations(output_dir):
+        loops = {name: two_step_loop_share(episodes) for name, episodes in trajectories[method, seed].items()}
+        records = read_iterations(output_dir)
+        entropy = run_entropy(output_dir, [record["step"] for record in records if record["mode"] == "train"],
+                              entropy_from.get((method, seed), {}))
+        for record in records:
             metrics = record["metrics"]
             rows.append({
                 "method": method, "seed": seed, "mode": record["mode"], "step": record["step"],
@@ -356,7 +405,13 @@ def curves(runs: dict[tuple[str, int], Path], hint_steps: dict[tuple[str, int], 
                 "rollout_s": metrics["timing/rollout_s"], "advantages_s": metrics["timing/advantages_s"],
                 "update_s": metrics.get("timing/update_s", float("nan")),
                 "draught_following": following.get(record["rollout"], float("nan")) if record["mode"] == "train" else float("nan"),
-                "entropy": next(entropy, float("nan")) if record["mode"] == "train" else float("nan"),
+                "entropy": entropy.get(record["step"], float("nan")) if record["mode"] == "train" else float("nan"),
+                "step_samples": metrics.get("env/step_samples", float("nan")),
+                "subsampled_rows": metrics.get("gigpo/subsampled_rows", float("nan")),
+                "invalid_action_rate": metrics.get("env/invalid_action_rate", float("nan")),
+                "equal_return_groups": metrics.get("frac_reward_zero_std", float("nan")),
+                "nonzero_advantage_share": metrics.get("gigpo/nonzero_advantage_share", float("nan")),
+                "two_step_loop_share": loops.get(f"{record['mode']}-{record['rollout']:05d}", float("nan")),
             })
     return rows
 
@@ -433,10 +488,12 @@ def summary(rows: list[dict], seeds: list[int], arms: Sequence[str]) -> dict:
         }
         result.setdefault("per_iteration_mean", {})[method] = {
             name: float(np.nanmean([r[name] for r in mine]))
-            for name in ("rollout_s", "update_s", "advantages_s", "singleton_share", "step_group_size_mean", "episode_length")
+            for name in ("rollout_s", "update_s", "advantages_s", "singleton_share", "step_group_size_mean", "episode_length",
+                         "step_samples", "subsampled_rows")
         }
         last = max(r["step"] for r in mine)
-        for field in ("draught_following", "entropy", "singleton_share", "step_group_size_mean"):
+        for field in ("draught_following", "entropy", "singleton_share", "step_group_size_mean", "equal_return_groups",
+                      "nonzero_advantage_share", "two_step_loop_share"):
             if not all(np.isnan(r[field]) for r in mine):
                 result.setdefault(f"{field}_first_last_20", {})[method] = {
                     "first_20_iterations": float(np.nanmean([r[field] for r in mine if r["step"] < 20])),
@@ -515,6 +572,9 @@ def main() -> None:
     parser.add_argument("--step-lambda", type=float, default=None, metavar="LAMBDA",
                         help="a third arm: GiGPO with the bootstrapped step value at this lambda in [0, 1) "
                         "(--step_advantage_lambda; --analyze-only finds it from the runs' folders)")
+    parser.add_argument("--entropy-from", type=Path, default=None, metavar="CSV",
+                        help="the entropy of runs whose log is missing (records brought back without it) from an "
+                        "earlier analysis's learning_curves.csv, made where the logs were")
     parser.add_argument("--parallel", action="store_true", help="start every run at once (one process each)")
     parser.add_argument("--detach", action="store_true", help="run in a new process session, output to OUTPUT/learning.log")
     parser.add_argument("--screen-tasks", type=int, nargs=3, default=[32, 4, 8], metavar=("EVAL", "SAMPLED", "COPIES"),
@@ -553,8 +613,9 @@ def main() -> None:
         (args.output / "reading_probe.json").write_text(json.dumps(curve, indent=2))
         return
     seconds = {} if args.analyze_only else train_all(runs, arms, args.config, model, overrides, args.parallel)
-    hint_steps = {run: draught_steps(output_dir) for run, output_dir in runs.items()}  # each run's records read once
-    rows = curves(runs, hint_steps)
+    trajectories = {run: read_trajectories(output_dir) for run, output_dir in runs.items()}  # each run's read once
+    hint_steps = {run: draught_steps(episodes) for run, episodes in trajectories.items()}
+    rows = curves(runs, hint_steps, trajectories, earlier_entropy(args.entropy_from) if args.entropy_from else {})
     with open(args.output / "learning_curves.csv", "w", newline="") as file:
         writer = csv.DictWriter(file, fieldnames=list(rows[0]))
         writer.writeheader()

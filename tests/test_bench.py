@@ -311,3 +311,76 @@ def test_the_tabular_comparison_pairs_every_method_with_gigpo_seed_by_seed():
     result = compare(settings, "adam", 0.03, seeds=2, iterations=4, lambdas=(0.5,))
     assert set(result["per_seed"]) == {"GiGPO", "GRPO (omega=0)", "GiGPO lambda 0.5"}
     assert "| GiGPO lambda 0.5 | " in table(result)
+
+
+def test_the_loop_share_counts_the_steps_that_come_back_to_the_observation_of_two_steps_before():
+    from bench.learning import two_step_loop_share
+
+    def episode(observations):
+        return {"steps": [{"observation": observation, "action": "move"} for observation in observations]}
+
+    # Steps 2, 3, 4 of K P K P K come back; of K K K (the agent stays) and K P L (it goes on) none does.
+    assert two_step_loop_share([episode("KPKPK")]) == 1.0
+    assert two_step_loop_share([episode("KKK"), episode("KPL")]) == 0.0
+    assert two_step_loop_share([episode("KPKL"), episode("KP")]) == 0.5  # a 2-step episode has no third step
+    assert np.isnan(two_step_loop_share([episode("KP")]))
+
+
+def test_the_analysis_reads_runs_brought_back_without_their_logs(tmp_path, monkeypatch, capsys):
+    """Records copied from a GPU machine without the runs' logs: --analyze-only takes their entropy from the CSV of an
+    analysis made there (--entropy-from), says which runs have none, and reports the subsampled step samples and the
+    loops of the logged trajectories."""
+    import csv
+    import sys
+
+    from bench import learning
+    from gigpo_trl.records import write_records
+
+    def record(step, mode, rollout, success):
+        metrics = {"env/success_rate": success, "env/return_mean": success, "env/episode_length_mean": 9.0,
+                   "env/step_samples": 80.0, "env/invalid_action_rate": 0.0, "gigpo/subsampled_rows": 16.0 * (mode == "train"),
+                   "gigpo/singleton_share": 0.1, "gigpo/step_group_size_mean": 6.0, "gigpo/nonzero_advantage_share": 0.5,
+                   "frac_reward_zero_std": 0.25, "timing/rollout_s": 1.0, "timing/advantages_s": 0.001, "timing/update_s": 2.0}
+        return {"step": step, "mode": mode, "rollout": rollout, "metrics": metrics, "step_group_sizes": {"6": 1}}
+
+    loop = [{"steps": [{"observation": o, "action": "move"} for o in ("kitchen", "pantry", "kitchen", "hall")]}]
+    for run, finals in (("gigpo-seed0", 0.5), ("grpo-seed0", 0.25)):
+        for step, mode, rollout, success in ((0, "eval", 0, 0.2), (0, "train", 0, 0.1), (1, "train", 1, 0.3),
+                                             (2, "eval", 1, finals)):
+            write_records(tmp_path / run, record(step, mode, rollout, success), loop if (mode, rollout) == ("train", 1) else [])
+    (tmp_path / "gigpo-seed0.log").write_text("{'loss': '0.1', 'entropy': '0.5'}\n{'loss': '0.2', 'entropy': '0.25'}\n")
+    earlier = tmp_path / "earlier.csv"
+    earlier.write_text("method,seed,mode,step,entropy\nGRPO (omega=0),0,eval,0,nan\nGRPO (omega=0),0,train,0,0.4\n"
+                       "GRPO (omega=0),0,train,1,0.3\n")
+
+    def analyze(*arguments):
+        monkeypatch.setattr(sys, "argv", ["learning.py", "--analyze-only", "--seeds", "0", "--output", str(tmp_path),
+                                          *arguments])
+        learning.main()
+        with open(tmp_path / "learning_curves.csv", newline="") as file:
+            return [row for row in csv.DictReader(file)], capsys.readouterr().out
+
+    rows, out = analyze("--entropy-from", str(earlier))
+    train = {(row["method"], int(row["step"])): row for row in rows if row["mode"] == "train"}
+    assert [float(train["GiGPO", step]["entropy"]) for step in (0, 1)] == [0.5, 0.25]  # from the run's own log
+    assert [float(train["GRPO (omega=0)", step]["entropy"]) for step in (0, 1)] == [0.4, 0.3]  # from the earlier CSV
+    assert "grpo-seed0: no grpo-seed0.log: entropy from --entropy-from" in out
+    assert {float(row["subsampled_rows"]) for row in train.values()} == {16.0}
+    # Of the logged episode's 4 steps, the third comes back to the kitchen and the fourth does not.
+    assert float(train["GiGPO", 1]["two_step_loop_share"]) == 0.5 and np.isnan(float(train["GiGPO", 0]["two_step_loop_share"]))
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["per_iteration_mean"]["GiGPO"]["subsampled_rows"] == 16.0
+    assert summary["decision"] == "decided: GiGPO above GRPO (omega=0) on every seed (1)"
+
+    rows, out = analyze()
+    assert "grpo-seed0: no grpo-seed0.log: entropy not known" in out
+    assert all(np.isnan(float(row["entropy"])) for row in rows if row["method"] == "GRPO (omega=0)")
+
+
+def test_an_entropy_source_without_an_entropy_column_is_refused_by_name(tmp_path):
+    from bench.learning import earlier_entropy
+
+    curves = tmp_path / "summary.csv"
+    curves.write_text("method,seed,mode,step,success_rate\nGiGPO,0,train,0,0.5\n")
+    with pytest.raises(ValueError, match="summary.csv is not a learning_curves.csv with an entropy column"):
+        earlier_entropy(curves)
