@@ -260,6 +260,64 @@ def detach(output: Path) -> None:
           f"python bench/learning.py --analyze-only --output {output}")
 
 
+def longest_prompt_tokens(args, tokenizer) -> int:
+    """Tokens of a step sample at its longest: the prompt of the first training task's first state with
+    `history_length` past steps that repeat that state and its longest admissible action, plus a full answer."""
+    from gigpo_trl import fold_seeds, make_env
+    from gigpo_trl.prompts import build_messages, load_template, template_for
+
+    env = make_env(args.env_name, **args.env_kwargs)
+    observation, info = env.reset(seed=fold_seeds(args.env_name, "train", 1, **args.env_kwargs)[0])
+    env.close()
+    actions = info.get("admissible_actions") or ["look"]
+    template = load_template(args.prompt_template) if args.prompt_template else template_for(args.env_name)
+    messages = build_messages(observation, step=args.max_env_steps - 1, task=info.get("task"),
+                              history=[(observation, max(actions, key=len))] * args.history_length,
+                              admissible_actions=actions, history_length=args.history_length, template=template)
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
+    return len(prompt["input_ids"]) + args.max_completion_length
+
+
+def check_memory_plan(config: Path, model: str, overrides: list[str], num_runs: int) -> None:
+    """Refuse to start `num_runs` runs at once that cannot fit the GPU (or, without one, the host's free memory):
+    each run's weights, gradients and AdamW moments (and a reference model), one loss pass of
+    max_step_samples_per_micro_batch rows (a whole micro-batch without it) at the longest step sample, and vLLM
+    colocate's share (`bench/update_memory.py`; its coefficient was measured on CPU, docs/performance.md)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from trl import ModelConfig, TrlParser
+
+    from bench.update_memory import BYTES_PER_TOKEN_LAYER_HIDDEN, pass_memory_gib, plan_fits, run_memory_gib
+    from gigpo_trl import GiGPOConfig, TaskArguments
+    from gigpo_trl.models import resolve_model
+
+    _, args, _ = TrlParser((TaskArguments, GiGPOConfig, ModelConfig)).parse_args_and_config(
+        args=["--config", str(config), "--output_dir", str(ROOT / "outputs" / "memory_plan"), *overrides])
+    path = resolve_model(model)
+    model_config = AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        parameters = sum(p.numel() for p in AutoModelForCausalLM.from_config(model_config).parameters())
+    micro_batch = args.per_device_train_batch_size * args.max_env_steps  # its step samples at most
+    rows = min(args.max_step_samples_per_micro_batch or micro_batch, micro_batch)
+    tokens = longest_prompt_tokens(args, AutoTokenizer.from_pretrained(path))
+    if torch.cuda.is_available():
+        kind, device, total = "cuda", torch.cuda.get_device_name(), torch.cuda.mem_get_info()[1] / 2**30
+    else:
+        import psutil
+
+        kind, device, total = "cpu", "the host (no GPU)", psutil.virtual_memory().available / 2**30
+    coefficient = BYTES_PER_TOKEN_LAYER_HIDDEN[kind, "bf16" if args.bf16 else "fp32"] * model_config.hidden_size
+    pass_gib = pass_memory_gib(coefficient, rows, tokens, model_config.num_hidden_layers)
+    vllm_share = args.vllm_gpu_memory_utilization if args.use_vllm and args.vllm_mode == "colocate" else None
+    per_run = run_memory_gib(parameters, pass_gib=pass_gib, reference_model=args.beta != 0.0, total_gib=total,
+                             vllm_share=vllm_share)
+    plan = (f"{num_runs} runs x {per_run:.1f} GiB (weights, gradients and AdamW {parameters / 1e6:.0f}M parameters; "
+            f"one loss pass of {rows} step samples x {tokens} tokens: {pass_gib:.1f} GiB"
+            + (f"; vLLM colocate {vllm_share:g} of the GPU" if vllm_share else "") + f") on {device} ({total:.1f} GiB)")
+    plan_fits(num_runs, per_run, total, plan)
+    print(f"memory plan: {plan} = {num_runs * per_run:.1f} GiB", flush=True)
+
+
 def screen(config: Path, model: str, eval_tasks: int, sampled_tasks: int, copies: int) -> dict:
     """What choosing a setting needs, from the base model (no training): its greedy held-out success and episode
     length on the first `eval_tasks` tasks of the config's eval fold, the optimal path length of those tasks
@@ -612,6 +670,8 @@ def main() -> None:
         curve = reading_probe(model, settings, settings["learning_rate"], args.reading_probe)
         (args.output / "reading_probe.json").write_text(json.dumps(curve, indent=2))
         return
+    if args.parallel and not args.analyze_only:
+        check_memory_plan(args.config, model, overrides, len(runs))
     seconds = {} if args.analyze_only else train_all(runs, arms, args.config, model, overrides, args.parallel)
     trajectories = {run: read_trajectories(output_dir) for run, output_dir in runs.items()}  # each run's read once
     hint_steps = {run: draught_steps(episodes) for run, episodes in trajectories.items()}

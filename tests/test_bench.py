@@ -384,3 +384,27 @@ def test_an_entropy_source_without_an_entropy_column_is_refused_by_name(tmp_path
     curves.write_text("method,seed,mode,step,success_rate\nGiGPO,0,train,0,0.5\n")
     with pytest.raises(ValueError, match="summary.csv is not a learning_curves.csv with an entropy column"):
         earlier_entropy(curves)
+
+
+def test_the_update_memory_estimate_reproduces_the_h100_runs_and_refuses_the_plan_that_ran_out_of_memory():
+    from bench.update_memory import BYTES_PER_TOKEN_LAYER_HIDDEN, pass_memory_gib, plan_fits, run_memory_gib
+
+    smollm2 = dict(parameters=134_515_008, hidden_size=576, num_layers=30)  # the embedded SmolLM2-135M
+    h100_gib = 79.2
+
+    def per_run(rows: int) -> float:
+        coefficient = BYTES_PER_TOKEN_LAYER_HIDDEN["cuda", "bf16"] * smollm2["hidden_size"]
+        pass_gib = pass_memory_gib(coefficient, rows, 355, smollm2["num_layers"])  # setting D: 355 tokens at most
+        return run_memory_gib(smollm2["parameters"], pass_gib=pass_gib, reference_model=False, total_gib=h100_gib,
+                              vllm_share=None)
+
+    assert 21 <= per_run(64) <= 25  # measured: one process peaked at about 23 GiB with 64 samples per pass
+    with pytest.raises(SystemExit, match="the plan does not fit: 9 runs"):
+        plan_fits(9, per_run(64), h100_gib, "9 runs")  # setting D as designed: all 9 died of CUDA out of memory
+    plan_fits(4, per_run(16), h100_gib, "4 runs")  # as run: 3-4 runs at 16 per pass took 26-36 GiB in all
+    assert 4 * per_run(16) <= 36
+    # vLLM colocate's share counts once per run: 4 runs at TRL's default 0.3 of the GPU cannot share it.
+    with_vllm = run_memory_gib(smollm2["parameters"], pass_gib=1.0, reference_model=False, total_gib=h100_gib,
+                               vllm_share=0.3)
+    with pytest.raises(SystemExit, match="lower vllm_gpu_memory_utilization"):
+        plan_fits(4, with_vllm, h100_gib, "4 runs with vLLM")
