@@ -8,6 +8,8 @@
     python bench/bench_rollout.py --iterations BEFORE.yaml AFTER.yaml                # configs side by side, one run
     python bench/bench_rollout.py --dynamic-sampling recipes/configs/learning_coin_gpu.yaml --max-rounds 3
                                   # without and with dynamic sampling, on the same tasks, one run
+    python bench/bench_rollout.py --dynamic-sampling CONFIG --max-rounds 0 --reward-std-filter-ratio 0.5
+                                  # without and with reward-std filtering (with --max-rounds N: both rules at once)
 
 1. Rollout overhead: the wall time of `collect_rollout` (G x N Sokoban environments, T turns, every
    answer forced to exactly L tokens) against ONE batched generation of the same number of tokens
@@ -27,8 +29,10 @@
    rows) with its logged metrics. Per arm: the share of the update's step samples with a nonzero advantage, the
    update's step samples, the rollout time (the extra rounds' part), the task groups rolled, with a signal, kept and
    dropped, the update's groups with a signal (`--dynamic_sampling_signal`'s rule), and the rollout time per step
-   sample with a nonzero advantage. Unknown arguments go to the recipe
-   (e.g. `--use_cpu true`, `--dynamic_sampling_signal advantages`).
+   sample with a nonzero advantage. With `--reward-std-filter-ratio P` the "with" arm also filters by reward std
+   (`reward_std_filter_ratio`; `--max-rounds 0`: that rule alone), and the update's groups, dropped groups and groups
+   with a signal count the filter's (a kept group has a signal when its returns differ). Unknown arguments go to the
+   recipe (e.g. `--use_cpu true`, `--dynamic_sampling_signal advantages`).
 4. Update memory: the peak memory of one training iteration of GiGPOTrainer against TRL's
    GRPOTrainer on the same number of samples of the same lengths, each in a fresh process.
    On CUDA: `torch.cuda.max_memory_allocated`; on CPU: the growth of the process's peak resident
@@ -213,15 +217,18 @@ ARMS = ("without", "with")  # dynamic sampling
 
 
 def bench_dynamic_sampling(config_path: str, iterations: int, max_rounds: int, model: str | None = None,
-                           arguments: list[str] | None = None) -> dict:
+                           arguments: list[str] | None = None, std_filter_ratio: float | None = None) -> dict:
     """`iterations` training rollouts of a recipe config, each without and with dynamic sampling (`max_rounds` extra
-    rounds at most) on the same first tasks, alternating which arm plays first, without updates; prints and returns
-    {"rows": one per iteration and arm, "arms": {arm: summary}}."""
+    rounds at most; and reward-std filtering at `std_filter_ratio`, else at the config's) on the same first tasks,
+    alternating which arm plays first, without updates; prints and returns {"rows": one per iteration and arm,
+    "arms": {arm: summary}}."""
     from gigpo_trl.dynamic_sampling import groups_with_signal
 
-    trainer, tasks, model = recipe_trainer(config_path, model, [*(arguments or []), "--max_steps", "1",
-                                                                "--dynamic_sampling_max_rounds", str(max_rounds)])
+    ratio = [] if std_filter_ratio is None else ["--reward_std_filter_ratio", str(std_filter_ratio)]
+    trainer, tasks, model = recipe_trainer(config_path, model, [
+        *(arguments or []), "--max_steps", "1", "--dynamic_sampling_max_rounds", str(max_rounds), *ratio])
     config = trainer.args
+    std_filter_ratio = config.reward_std_filter_ratio
     trainer.model.train()  # the training path: rollout, advantages, dynamic sampling, the update's rows
     group_size = config.num_generations
     tasks_per_rollout = config.per_device_train_batch_size * config.steps_per_generation // group_size
@@ -240,12 +247,21 @@ def bench_dynamic_sampling(config_path: str, iterations: int, max_rounds: int, m
         trainer.state.global_step = k  # an iteration of its own: its own extra tasks
         for arm in ARMS if k % 2 == 0 else ARMS[::-1]:
             config.dynamic_sampling_max_rounds = max_rounds if arm == "with" else 0
+            config.reward_std_filter_ratio = std_filter_ratio if arm == "with" else None
             trainer._metrics["train"].clear()
             trainer._generate_and_score_completions(first_tasks(k))
             logged = {name: values[-1] for name, values in trainer._metrics["train"].items()}
             rollout = trainer.last_rollout
             update_samples = int(logged["gigpo/update_step_samples"])
             with_signal = len(groups_with_signal(rollout, trainer._advantages(rollout), config.dynamic_sampling_signal))
+            kept = int(logged.get("dynamic_sampling/groups_kept", rollout.num_groups))
+            # the update's groups that carry a signal: without dynamic sampling, those of the rollout; with it, the kept
+            update_with_signal = kept if arm == "with" and max_rounds else with_signal
+            dropped = int(logged.get("dynamic_sampling/groups_dropped", 0))
+            if "reward_std_filter/groups_kept" in logged:  # the filter keeps some of those groups
+                kept = int(logged["reward_std_filter/groups_kept"])
+                update_with_signal = kept - int(logged["reward_std_filter/groups_kept_zero_std"])
+                dropped += int(logged["reward_std_filter/groups_dropped"])
             rows.append({
                 "iteration": k, "arm": arm,
                 "first_round_seeds": [episode.seed for episode in rollout.episodes[: tasks_per_rollout * group_size : group_size]],
@@ -254,10 +270,12 @@ def bench_dynamic_sampling(config_path: str, iterations: int, max_rounds: int, m
                 "extra_rounds": int(logged.get("dynamic_sampling/extra_rounds", 0)),
                 "groups_rolled": rollout.num_groups,
                 "groups_with_signal": with_signal,
-                "groups_kept": int(logged.get("dynamic_sampling/groups_kept", rollout.num_groups)),
-                # the update's groups that carry a signal: without dynamic sampling, those of the rollout; with it, the kept
-                "update_groups_with_signal": int(logged["dynamic_sampling/groups_kept"]) if arm == "with" else with_signal,
-                "groups_dropped": int(logged.get("dynamic_sampling/groups_dropped", 0)),
+                "groups_kept": kept,
+                "update_groups_with_signal": update_with_signal,
+                "groups_dropped": dropped,
+                **{key: logged[f"reward_std_filter/{key}"] for key in ("std_threshold", "kept_std_mean",
+                                                                      "dropped_std_mean")
+                   if f"reward_std_filter/{key}" in logged},
                 "step_samples": int(logged["env/step_samples"]),
                 "update_samples": update_samples,
                 "nonzero_samples": round(logged["gigpo/nonzero_advantage_share"] * update_samples),
@@ -270,9 +288,10 @@ def bench_dynamic_sampling(config_path: str, iterations: int, max_rounds: int, m
                   f"update {row['nonzero_samples']} of {update_samples} step samples with a nonzero advantage")
     trainer.close_environments()
     arms = {arm: dynamic_sampling_summary([row for row in rows if row["arm"] == arm]) for arm in ARMS}
+    std_filter = "" if std_filter_ratio is None else f", reward-std filtering at {std_filter_ratio}"
     print(f"\nDynamic sampling, {config_path} ({model}): {iterations} iterations of {tasks_per_rollout} tasks x "
-          f"{group_size} copies, at most {max_rounds} extra rounds, signal by {config.dynamic_sampling_signal}; no update "
-          "(both arms play the starting model)")
+          f"{group_size} copies, at most {max_rounds} extra rounds, signal by {config.dynamic_sampling_signal}"
+          f"{std_filter}; no update (both arms play the starting model)")
     for arm, summary in arms.items():
         per_sample = summary["rollout_s_per_nonzero_sample"]
         cost = ("no sample with a signal" if per_sample is None
@@ -285,7 +304,7 @@ def bench_dynamic_sampling(config_path: str, iterations: int, max_rounds: int, m
               f"dropped {summary['groups_dropped']}; groups with a signal in the update "
               f"{summary['update_groups_with_signal']} of {summary['groups_kept']}")
     return {"config": config_path, "model": model, "max_rounds": max_rounds, "signal": config.dynamic_sampling_signal,
-            "rows": rows, "arms": arms}
+            "reward_std_filter_ratio": std_filter_ratio, "rows": rows, "arms": arms}
 
 
 def dynamic_sampling_summary(rows: list[dict]) -> dict:
@@ -302,6 +321,9 @@ def dynamic_sampling_summary(rows: list[dict]) -> dict:
         "rollout_s_per_nonzero_sample": total("rollout_s") / total("nonzero_samples") if total("nonzero_samples") else None,
         **{key: int(total(key)) for key in ("groups_rolled", "groups_with_signal", "groups_kept", "groups_dropped",
                                             "update_groups_with_signal")},
+        # reward-std filtering's stds, where the arm filtered: means over its iterations
+        **{f"{key}_mean": total(key) / len(rows) for key in ("std_threshold", "kept_std_mean", "dropped_std_mean")
+           if all(key in row for row in rows)},
     }
 
 
@@ -402,6 +424,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="play training rollouts of this recipe config without and with dynamic sampling, on the "
                         "same first tasks, alternating (unknown arguments go to the recipe, e.g. --use_cpu true)")
     parser.add_argument("--max-rounds", type=int, default=3, help="with --dynamic-sampling: dynamic_sampling_max_rounds")
+    parser.add_argument("--reward-std-filter-ratio", type=float, default=None,
+                        help="with --dynamic-sampling: the 'with' arm also filters by reward std at this ratio "
+                        "(reward_std_filter_ratio; --max-rounds 0: that rule alone)")
     parser.add_argument("--output", help="with --dynamic-sampling: also write the figures to this JSON file")
     parser.add_argument("--memory-worker", choices=["grpo", "gigpo"], help=argparse.SUPPRESS)
     parser.add_argument("--output-dir", help=argparse.SUPPRESS)
@@ -409,10 +434,11 @@ def main(argv: list[str] | None = None) -> None:
     if recipe_arguments and not args.dynamic_sampling:
         parser.error(f"unrecognized arguments: {' '.join(recipe_arguments)}")
     if args.dynamic_sampling:
-        if args.max_rounds < 1 or args.num_iterations < 1:
-            parser.error("--max-rounds and --num-iterations must be >= 1")
+        if args.max_rounds < (0 if args.reward_std_filter_ratio is not None else 1) or args.num_iterations < 1:
+            parser.error("--max-rounds and --num-iterations must be >= 1 (--max-rounds 0 only with "
+                         "--reward-std-filter-ratio)")
         figures = bench_dynamic_sampling(args.dynamic_sampling, args.num_iterations, args.max_rounds, args.model,
-                                         recipe_arguments)
+                                         recipe_arguments, args.reward_std_filter_ratio)
         if args.output:
             Path(args.output).write_text(json.dumps(figures, indent=1))
         return

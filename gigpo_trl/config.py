@@ -14,7 +14,7 @@ from accelerate.utils import parse_flag_from_env
 from trl import GRPOConfig
 
 from gigpo_trl.advantages import EPISODE_STATS_MODES, NORM_MODES
-from gigpo_trl.dynamic_sampling import SIGNAL_MODES
+from gigpo_trl.dynamic_sampling import SIGNAL_MODES, std_filter_kept_count
 
 # Loss types whose normalization ignores rows with a zero loss mask (the rows that keep processes in lock-step):
 # they divide by the token count of the whole generation batch (`num_items_in_batch`). "grpo", "sapo", "dr_grpo"
@@ -172,6 +172,16 @@ class GiGPOConfig(GRPOConfig):
                   "copies differ in off-format answers (invalid_action_penalty) or, with gamma < 1, in how soon they "
                   "won.", "choices": list(SIGNAL_MODES)},
     )
+    reward_std_filter_ratio: float | None = field(
+        default=None,
+        metadata={"help": "Reward-std filtering (RAGEN's rollout_filter_ratio with its 'std' type, arXiv 2504.20073): "
+                  "of the n task groups of a training rollout over all processes (after dynamic sampling, when it is "
+                  "on too: the groups it kept), only the ceil(ratio x n) whose trajectories' returns have the largest "
+                  "standard deviation (Bessel's) reach the update; the rest are dropped, and no task is played to "
+                  "replace them. Ties are broken by a permutation drawn from the seed and the step. In (0, 1]; 1 keeps "
+                  "every group and only logs the stds (logged as reward_std_filter/*). None: off. Evaluation is never "
+                  "filtered."},
+    )
 
     def __post_init__(self):
         self._follow_deepspeed_launch()
@@ -263,6 +273,7 @@ class GiGPOConfig(GRPOConfig):
                             "sampling)")
         if self.dynamic_sampling_signal not in SIGNAL_MODES:
             problems.append(f"dynamic_sampling_signal={self.dynamic_sampling_signal!r} is not one of {SIGNAL_MODES}")
+        problems += self._reward_std_filter_problems()
         if self.loss_type not in SUPPORTED_LOSS_TYPES:
             problems.append(
                 f"loss_type={self.loss_type!r} normalizes per row or per micro-batch, so the zero-weight rows that keep "
@@ -290,6 +301,22 @@ class GiGPOConfig(GRPOConfig):
             )
         if problems:
             raise ValueError("invalid GiGPOConfig: " + "; ".join(problems))
+
+    def _reward_std_filter_problems(self) -> list[str]:
+        """A ratio that is not a number in (0, 1], or one below 1 that keeps every task group of a rollout."""
+        ratio = self.reward_std_filter_ratio
+        if ratio is None:
+            return []
+        if isinstance(ratio, bool) or not (isinstance(ratio, numbers.Real) and 0.0 < ratio <= 1.0):  # NaN fails too
+            return [f"reward_std_filter_ratio={ratio!r} must be None (off) or a number in (0, 1]"]
+        groups = self.generation_batch_size // self.num_generations  # a rollout's task groups, all processes
+        if ratio < 1.0 and std_filter_kept_count(groups, ratio) == groups:
+            remedy = f"a ratio of at most {groups - 1}/{groups} or " if groups > 1 else ""
+            return [f"reward_std_filter_ratio={ratio} keeps ceil({ratio} x {groups}) = {groups} of the {groups} task "
+                    f"group(s) of a rollout (generation_batch_size / num_generations, all processes): it would never "
+                    f"drop one. Use {remedy}more tasks per rollout (1 keeps every group on purpose and only logs their "
+                    f"stds)"]
+        return []
 
     def _check_trajectories_per_process(self) -> None:
         """Before GRPOConfig's own check, whose message ("generation_batch_size must be divisible by

@@ -20,12 +20,21 @@ or `dynamic_sampling_max_rounds` extra rounds were played; the update then train
 beyond that number are left out as well (DAPO's rule: the update keeps its configured size). Every process plays the
 same rounds, decided together after each one, so generation stays in lock-step: a process that already holds enough
 plays no task in a round and only makes the generation calls of the others' turns; one that holds none at the limit
-trains on zero-weight rows. Nothing here imports torch or the trainer.
+trains on zero-weight rows.
+
+Reward-std filtering (RAGEN's `rollout_filter_ratio` with its "std" type, arXiv 2504.20073; `reward_std_filter_ratio`)
+is the other rule: of the n task groups of a training rollout over all processes (those dynamic sampling kept, when it
+is on too), only the `k = ceil(p * n)` whose trajectories' returns have the largest standard deviation reach the update;
+the rest are dropped and nothing is played to replace them. The selection is made over every process's groups (each
+process ranks the same gathered stds and keeps its own), so a process may keep none and train on zero-weight rows.
+Nothing here imports torch or the trainer.
 """
 
 from __future__ import annotations
 
+import math
 import time
+from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 
@@ -177,3 +186,129 @@ def sample_groups(
     )
     samples = [k for k, group in enumerate(merged.steps.group) if group in kept_groups]
     return SampledGroups(merged, GiGPOAdvantages.concatenate(scores), samples, counts)
+
+
+# ------------------------------------------------------------------------------------------
+# Reward-std filtering (RAGEN's rule).
+# ------------------------------------------------------------------------------------------
+
+
+def group_return_stds(groups: Sequence[int], returns: Sequence[float]) -> dict[int, float]:
+    """The standard deviation of each task group's trajectory returns: Bessel's (ddof 1), as RAGEN's `torch.std`.
+
+    Taken over the returns in increasing order, so that groups of the same returns in another order tie exactly. A
+    group of a single trajectory (its other copies failed at reset) has 0: its spread is unknown.
+
+    Args:
+        groups: int [m], the task group of each trajectory (those with at least one step sample).
+        returns: float [m], each trajectory's return `R = sum_t r_t`.
+
+    Returns:
+        {group: std} for every group of `groups`.
+    """
+    by_group: dict[int, list[float]] = defaultdict(list)
+    for group, episode_return in zip(groups, returns):
+        by_group[int(group)].append(float(episode_return))
+    return {group: float(np.std(sorted(values), ddof=1)) if len(values) > 1 else 0.0
+            for group, values in by_group.items()}
+
+
+def std_filter_kept_count(num_groups: int, ratio: float) -> int:
+    """`k = ceil(ratio * num_groups)`: the groups the reward-std filter keeps of `num_groups`; at least 1 of any.
+    (RAGEN floors, which keeps none where ratio * num_groups < 1.) The product is rounded to 9 decimals first, so
+    that 0.3 of 10 groups keeps 3 (0.3 * 10 is 3.0000000000000004 in binary floating point)."""
+    return math.ceil(round(ratio * num_groups, 9))
+
+
+def top_std_groups(stds: Sequence[Sequence[float]], ratio: float, *, seed: int, step: int) -> list[list[int]]:
+    """RAGEN's reward-std filter over the task groups of all processes: the `std_filter_kept_count(n, ratio)` groups of
+    the largest return std among the n groups of every process.
+
+    Ties between equal stds are broken by a permutation of the n groups drawn by a generator seeded with the run's
+    seed and the global step: the same on every process and in a rerun (or a resumed run), fair between processes
+    and between a rollout's tasks, and another draw at the next step. A group of a larger std is never left out for
+    one of a smaller std.
+
+    Args:
+        stds: per process (in process order), the return std of each of its groups (`group_return_stds`); processes
+            may hold different numbers of groups.
+        ratio: the share of the groups kept, in (0, 1] (`reward_std_filter_ratio`).
+        seed, step: the run's seed and the global step, which break ties.
+
+    Returns:
+        Per process, the positions (into its list of `stds`) of its kept groups, in increasing order.
+    """
+    owners = [(process, position) for process, part in enumerate(stds) for position in range(len(part))]
+    flat = np.array([std for part in stds for std in part], dtype=np.float64)
+    tie_break = np.random.default_rng([seed, step]).permutation(len(owners))
+    ranked = np.lexsort((tie_break, -flat))  # largest std first; among equal stds, by the drawn permutation
+    kept: list[list[int]] = [[] for _ in stds]
+    for index in ranked[: std_filter_kept_count(len(owners), ratio)]:
+        process, position = owners[index]
+        kept[process].append(position)
+    return [sorted(positions) for positions in kept]
+
+
+@dataclass(frozen=True)
+class StdFilterCounts:
+    """What the reward-std filter did in an iteration, over all processes: the same on every process, which all rank
+    the same gathered stds."""
+
+    groups_ranked: int  # the groups it chose from: the rollout's (those with a step sample), or dynamic sampling's kept
+    groups_kept: int  # reach the update: ceil(ratio * groups_ranked)
+    groups_dropped: int
+    groups_kept_zero_std: int  # kept though their returns are all equal: fewer groups than kept carry a return signal
+    std_threshold: float  # the smallest std kept (0 when none was kept)
+    kept_std_mean: float  # the mean return std of the kept groups (0 when none)
+    dropped_std_mean: float  # and of the dropped ones (0 when none)
+
+    @classmethod
+    def of(cls, stds: Sequence[Sequence[float]], kept: Sequence[Sequence[int]]) -> StdFilterCounts:
+        """The counts of a selection `kept` (`top_std_groups`) from the groups of `stds` (one list per process)."""
+        kept_stds = [part[position] for part, positions in zip(stds, kept) for position in positions]
+        dropped_stds = [std for part, positions in zip(stds, map(set, kept)) for position, std in enumerate(part)
+                        if position not in positions]
+        return cls(groups_ranked=len(kept_stds) + len(dropped_stds), groups_kept=len(kept_stds),
+                   groups_dropped=len(dropped_stds), groups_kept_zero_std=kept_stds.count(0.0),
+                   std_threshold=min(kept_stds, default=0.0),
+                   kept_std_mean=float(np.mean(kept_stds)) if kept_stds else 0.0,
+                   dropped_std_mean=float(np.mean(dropped_stds)) if dropped_stds else 0.0)
+
+    def as_metrics(self, prefix: str = "reward_std_filter/") -> dict[str, float]:
+        """The counts as a flat `{prefix + name: float}` dict, ready for a logger."""
+        return {prefix + f.name: float(getattr(self, f.name)) for f in fields(self)}
+
+
+def filter_by_return_std(
+    rollout: Rollout,
+    samples: Sequence[int],
+    ratio: float,
+    *,
+    seed: int,
+    step: int,
+    process: int = 0,
+    gather: Callable[[list[float]], list[list[float]]] = lambda stds: [stds],
+) -> tuple[list[int], StdFilterCounts]:
+    """Keep the step samples of the task groups that the reward-std filter keeps over all processes.
+
+    Args:
+        rollout: this process's rollout (every round of dynamic sampling).
+        samples: the step samples that may reach the update (all, or those of dynamic sampling's kept groups); the
+            groups they belong to are the ones ranked.
+        ratio: `reward_std_filter_ratio`.
+        seed, step: the run's seed and the global step (`top_std_groups` breaks ties with them).
+        process: this process's index.
+        gather: a list of floats of every process, in process order, from this process's (`gather_object`; on one
+            process, itself alone).
+
+    Returns:
+        The samples of this process's kept groups (in the order of `samples`), and the filter's counts.
+    """
+    group_of = rollout.steps.group
+    ranked = sorted({group_of[sample] for sample in samples})
+    played = [episode for episode in rollout.episodes if episode.length]
+    stds = group_return_stds([e.group for e in played], [e.episode_return for e in played])
+    everyone = gather([stds[group] for group in ranked])
+    kept_positions = top_std_groups(everyone, ratio, seed=seed, step=step)
+    kept = {ranked[position] for position in kept_positions[process]}
+    return [sample for sample in samples if group_of[sample] in kept], StdFilterCounts.of(everyone, kept_positions)

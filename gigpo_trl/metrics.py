@@ -1,9 +1,10 @@
 """The metrics a GiGPO run logs, as pure functions of what the rollouts and evaluations produced.
 
 A process summarizes its own rollout (`RolloutSummary.of`); the trainer gathers the summaries of all processes and
-`rollout_metrics` turns them into the logged numbers (`env/*`, `gigpo/*`, `timing/*`, `dynamic_sampling/*`, TRL's
-`reward`, ...), so a metric means the same on one process and on many. Evaluations count every held-out (task, copy)
-once (`panel_metrics`), and the loss's per-row metrics leave the lock-step padding rows out (`padding_free_row_metrics`).
+`rollout_metrics` turns them into the logged numbers (`env/*`, `gigpo/*`, `timing/*`, `dynamic_sampling/*`,
+`reward_std_filter/*`, TRL's `reward`, ...), so a metric means the same on one process and on many. Evaluations count
+every held-out (task, copy) once (`panel_metrics`), and the loss's per-row metrics leave the lock-step padding rows out
+(`padding_free_row_metrics`).
 No torch and no trainer state here.
 """
 
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from gigpo_trl.advantages import GiGPOAdvantages, StepGroupStats
-from gigpo_trl.dynamic_sampling import SamplingCounts
+from gigpo_trl.dynamic_sampling import SamplingCounts, StdFilterCounts
 from gigpo_trl.rollout import Episode, Rollout
 
 # Above this share of singleton step groups, step advantages are almost all 0: GiGPO ~ GRPO.
@@ -68,11 +69,12 @@ class RolloutSummary:
     times: RolloutTimes
     step_groups: StepGroupStats
     sampling: SamplingCounts | None  # what dynamic sampling did (None: off)
+    std_filter: StdFilterCounts | None  # what reward-std filtering did, over all processes (None: off)
 
     @classmethod
     def of(cls, rollout: Rollout, gigpo: GiGPOAdvantages, times: RolloutTimes, *, max_completion_length: int,
            end_token_ids: Collection[int], update_samples: Sequence[int],
-           sampling: SamplingCounts | None = None) -> RolloutSummary:
+           sampling: SamplingCounts | None = None, std_filter: StdFilterCounts | None = None) -> RolloutSummary:
         """Summarize a rollout, its advantages (`compute_gigpo_advantages` of its step columns) and its times.
 
         Args:
@@ -80,6 +82,7 @@ class RolloutSummary:
                 tokens that does not end with one was cut.
             update_samples: the step samples (indices into the rollout's) that are rows of the update.
             sampling: what dynamic sampling did, when it is on.
+            std_filter: what reward-std filtering did, when it is on (the same on every process).
         """
         episodes, steps = rollout.episodes, rollout.steps
         returns = np.array([e.episode_return for e in episodes], dtype=np.float64)
@@ -114,6 +117,7 @@ class RolloutSummary:
             times=times,
             step_groups=gigpo.stats,
             sampling=sampling,
+            std_filter=std_filter,
         )
 
 
@@ -167,6 +171,8 @@ def rollout_metrics(summaries: Sequence[RolloutSummary], update_seconds: float |
         metrics["timing/update_s"] = update_seconds
     if summaries[0].sampling is not None:
         metrics.update(SamplingCounts.combine([s.sampling for s in summaries]).as_metrics())
+    if summaries[0].std_filter is not None:  # over all processes already
+        metrics.update(summaries[0].std_filter.as_metrics())
     return metrics
 
 

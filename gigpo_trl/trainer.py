@@ -20,7 +20,9 @@ from trl import GRPOTrainer
 from gigpo_trl.advantages import GiGPOAdvantages, compute_gigpo_advantages
 from gigpo_trl.batch import loss_batch, rows_for_update
 from gigpo_trl.config import GiGPOConfig
-from gigpo_trl.dynamic_sampling import SamplingCounts, extra_task_rows, sample_groups
+from gigpo_trl.dynamic_sampling import (
+    SamplingCounts, StdFilterCounts, extra_task_rows, filter_by_return_std, sample_groups,
+)
 from gigpo_trl.env_pool import EnvPool
 from gigpo_trl.envs import TextEnv, env_factory
 from gigpo_trl.generation import completions_from_tokens, greedy_decoding, vllm_awake
@@ -60,7 +62,8 @@ class GiGPOTrainer(GRPOTrainer):
     What changes w.r.t. `GRPOTrainer`:
     - `_generate_and_score_completions` runs the rollout (generating through the parent's `_generate_single_turn`,
       so transformers, vLLM colocate and vLLM server generation all work), computes the advantages (with dynamic
-      sampling, `dynamic_sampling_max_rounds`, plays more rounds of tasks until enough task groups carry a signal),
+      sampling, `dynamic_sampling_max_rounds`, plays more rounds of tasks until enough task groups carry a signal;
+      reward-std filtering, `reward_std_filter_ratio`, keeps the groups of the largest return std over all processes),
       and returns exactly the batch the parent's `_compute_loss` expects, with zero-weight padding rows that keep
       processes in lock-step (equal generation calls, equal row counts).
     - `compute_loss` runs a training micro-batch in passes of at most `max_step_samples_per_micro_batch` rows with
@@ -218,8 +221,9 @@ class GiGPOTrainer(GRPOTrainer):
         # 3. Dynamic sampling (training, dynamic_sampling_max_rounds > 0): the groups without signal (by default, whose
         #    copies all got the same return) are left out, and rounds of further tasks played, in lock-step on every
         #    process, until this process holds as many groups with a signal as it has tasks, or the limit. Otherwise
-        #    every sample counts.
-        samples, sampling = range(len(rollout.steps)), None
+        #    every sample counts. Reward-std filtering (training, reward_std_filter_ratio) then keeps the samples of the
+        #    groups whose returns have the largest std, ranked over every process's groups (their stds gathered).
+        samples, sampling, std_filter = range(len(rollout.steps)), None, None
         if mode == "train" and self.args.dynamic_sampling_max_rounds:
             sampled = sample_groups(rollout, gigpo, functools.partial(self._extra_round, pool), self._advantages,
                                     max_rounds=self.args.dynamic_sampling_max_rounds,
@@ -227,6 +231,10 @@ class GiGPOTrainer(GRPOTrainer):
                                     max_across_processes=self._max_across_processes)
             rollout, gigpo, samples, sampling = sampled.rollout, sampled.advantages, sampled.samples, sampled.counts
             rollout_seconds += sampling.extra_rollout_s
+        if mode == "train" and self.args.reward_std_filter_ratio is not None:
+            samples, std_filter = filter_by_return_std(
+                rollout, samples, self.args.reward_std_filter_ratio, seed=self.args.seed, step=self.state.global_step,
+                process=self.accelerator.process_index, gather=lambda stds: gather_object([stds]))
         self.last_rollout = rollout
 
         # 4. Rows: every sample, then zero-weight padding so that every process has the same number of rows,
@@ -248,7 +256,8 @@ class GiGPOTrainer(GRPOTrainer):
         # 5. Metrics, records and completion logs.
         times = RolloutTimes(rollout_seconds, rollout.generation_seconds, rollout.env_seconds, advantage_seconds)
         update_samples = [r for r, w in zip(rows, weights) if w]
-        metrics = self._log_rollout_metrics(mode, rollout, gigpo, times, update_seconds, update_samples, sampling)
+        metrics = self._log_rollout_metrics(mode, rollout, gigpo, times, update_seconds, update_samples, sampling,
+                                            std_filter)
         self._write_records(mode, metrics, rollout, gigpo)
         if self.log_completions:
             self._log_step_samples(rollout, gigpo.advantages)
@@ -517,11 +526,11 @@ class GiGPOTrainer(GRPOTrainer):
 
     def _log_rollout_metrics(self, mode: str, rollout: Rollout, gigpo: GiGPOAdvantages, times: RolloutTimes,
                              update_seconds: float | None, update_samples: list[int],
-                             sampling: SamplingCounts | None) -> dict[str, float]:
+                             sampling: SamplingCounts | None, std_filter: StdFilterCounts | None) -> dict[str, float]:
         """The rollout's metrics over all processes (`gigpo_trl.metrics`) into TRL's `_metrics`; returns them."""
         summary = RolloutSummary.of(rollout, gigpo, times, max_completion_length=self.max_completion_length,
                                     end_token_ids={*self.eos_token_ids, self._tokenizer.pad_token_id},
-                                    update_samples=update_samples, sampling=sampling)
+                                    update_samples=update_samples, sampling=sampling, std_filter=std_filter)
         summaries = gather_object([summary])
         metrics = rollout_metrics(summaries, update_seconds)
         if mode == "train":

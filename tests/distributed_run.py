@@ -16,7 +16,8 @@ ENV_NAME "bad_anchor_on_rank_1" makes the process of rank 1 alone raise in its f
 "tool_counter" trains TRL's counter environment class (tests/toy_tool_envs.py) instead, from rows in TRL's shape
 (MODEL_DIR then needs a tool-calling chat template), without evaluation. ENV_NAME "unwinnable_on_rank_1" trains with
 dynamic sampling (2 extra rounds at most, no invalid-answer penalty) on corridors that the process of rank 1 can never
-finish (tests/toy_envs.py), without evaluation: its groups carry no signal in any round.
+finish (tests/toy_envs.py), without evaluation: its groups carry no signal in any round. --reward-std-filter-ratio P
+trains with reward-std filtering at that ratio, without evaluation.
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ def main(options: argparse.Namespace) -> None:
     register_env("unwinnable_on_rank_1", UnwinnableOnRank1, overwrite=True)
     sampling = ({"dynamic_sampling_max_rounds": 2, "invalid_action_penalty": 0.0}
                 if options.env_name == "unwinnable_on_rank_1" else {})
+    if options.reward_std_filter_ratio is not None:
+        sampling["reward_std_filter_ratio"] = options.reward_std_filter_ratio
     config = GiGPOConfig(
         output_dir=options.output_dir, env_name=options.env_name, num_generations=2, steps_per_generation=1,
         gradient_accumulation_steps=1, per_device_train_batch_size=TRAJECTORIES // _world_size(),
@@ -115,6 +118,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--lora", action="store_true", help="train a LoRA adapter (r 8, all linear layers)")
     parser.add_argument("--save-steps", type=int, default=None, help="save a checkpoint every this many steps")
     parser.add_argument("--resume-from", default=None, help="a checkpoint folder to resume training from")
+    parser.add_argument("--reward-std-filter-ratio", type=float, default=None,
+                        help="train with reward-std filtering at this ratio (reward_std_filter_ratio)")
     return parser.parse_args()
 
 

@@ -171,6 +171,33 @@ def test_dynamic_sampling_is_measured_with_and_without_on_the_same_first_tasks(t
         assert summary["groups_rolled"] == sum(row["groups_rolled"] for row in of_arm)
 
 
+@pytest.mark.timeout(300)
+def test_reward_std_filtering_is_measured_with_and_without_on_the_same_first_tasks(tiny_model_path, tmp_path):
+    from bench.bench_rollout import main
+
+    smoke = Path(__file__).resolve().parent.parent / "recipes" / "configs" / "smoke_cpu.yaml"  # 2 tasks x 2 copies
+    output = tmp_path / "std_filter.json"
+    main(["--dynamic-sampling", str(smoke), "--max-rounds", "0", "--reward-std-filter-ratio", "0.5",
+          "--num-iterations", "2", "--model", tiny_model_path, "--output", str(output)])
+
+    figures = json.loads(output.read_text())
+    assert figures["reward_std_filter_ratio"] == 0.5 and figures["max_rounds"] == 0
+    for k in (0, 1):
+        without, with_ = ({row["arm"]: row for row in figures["rows"] if row["iteration"] == k}[arm]
+                          for arm in ("without", "with"))
+        assert with_["first_round_seeds"] == without["first_round_seeds"]
+        assert without["groups_kept"] == 2 and without["groups_dropped"] == 0 and "std_threshold" not in without
+        assert without["update_samples"] == without["step_samples"]
+        # ceil(0.5 x 2) = 1 of the 2 groups, no extra round; the kept one has the larger std
+        assert (with_["groups_rolled"], with_["groups_kept"], with_["groups_dropped"],
+                with_["extra_rounds"]) == (2, 1, 1, 0)
+        assert with_["kept_std_mean"] == with_["std_threshold"] >= with_["dropped_std_mean"]
+        assert with_["update_groups_with_signal"] == (with_["std_threshold"] > 0)
+        assert 0 < with_["update_samples"] < with_["step_samples"]
+    assert figures["arms"]["with"]["groups_kept"] == 2 and "std_threshold_mean" in figures["arms"]["with"]
+    assert "std_threshold_mean" not in figures["arms"]["without"]
+
+
 @pytest.mark.parametrize("arguments", [["--max-rounds", "0"], ["--num-iterations", "0"]])
 def test_the_dynamic_sampling_bench_refuses_a_run_that_measures_nothing(arguments, capsys):
     from bench.bench_rollout import main

@@ -119,3 +119,26 @@ def test_two_processes_complete_iterations_in_which_one_process_s_groups_were_al
         assert log["env/success_rate"] == 2 / (2 * 2 + 3 * 2 * 2)  # rank 0's first copies
         assert log["grad_norm"] > 0 and math.isfinite(log["loss"])
     assert "dynamic sampling: after 2 extra round(s)" in result.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_reward_std_filtering_ranks_the_groups_of_both_processes_together(tmp_path, tiny_model_path):
+    # Rank 0's 16-cell corridors carry a signal (one copy wins at the 15th and last step allowed, the other is cut off:
+    # std 0.71); both copies of rank 1's 12-cell corridors win (std 0). Keeping half of the 4 groups over both processes
+    # keeps rank 0's two, where each process keeping its own half would keep one each; rank 1 trains on zero-weight
+    # rows, in lock-step.
+    written = finished_run(torchrun(2), tiny_model_path, tmp_path, "--lengths", "16", "16", "12", "12",
+                           "--reward-std-filter-ratio", "0.5")
+
+    assert written["processes"] == 2 and len(written["logs"]) == 2
+    for log in written["logs"]:
+        assert log["reward_std_filter/groups_ranked"] == 4 and log["reward_std_filter/groups_kept"] == 2
+        assert log["reward_std_filter/std_threshold"] == pytest.approx(math.sqrt(0.5))
+        assert log["reward_std_filter/kept_std_mean"] == pytest.approx(math.sqrt(0.5))
+        assert log["reward_std_filter/dropped_std_mean"] == log["reward_std_filter/groups_kept_zero_std"] == 0.0
+        assert log["env/step_samples"] == 2 * (15 + 15) + 2 * (11 + 12)
+        assert log["gigpo/update_step_samples"] == 2 * (15 + 15)  # rank 0's groups, all of their samples
+        assert log["grad_norm"] > 0 and math.isfinite(log["loss"])
+    calls = written["rollouts"]["train"]["generate_calls"]
+    assert calls == [15, 15]  # rank 1's episodes ended after 12 turns; it kept generating with rank 0

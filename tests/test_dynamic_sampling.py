@@ -1,8 +1,10 @@
 """Dynamic sampling (`gigpo_trl.dynamic_sampling`, `dynamic_sampling_max_rounds`): which task groups carry a signal,
-the rounds that look for more, on real environment pools, and in GiGPOTrainer with the tiny model."""
+the rounds that look for more, on real environment pools, and in GiGPOTrainer with the tiny model; and reward-std
+filtering (`reward_std_filter_ratio`), the same way."""
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import numpy as np
@@ -17,11 +19,16 @@ from gigpo_trl.advantages import GiGPOAdvantages, compute_gigpo_advantages
 from gigpo_trl.config import GiGPOConfig
 from gigpo_trl.dynamic_sampling import (
     SamplingCounts,
+    StdFilterCounts,
     extra_task_rows,
+    filter_by_return_std,
+    group_return_stds,
     groups_with_nonzero_advantages,
     groups_with_signal,
     groups_with_unequal_returns,
     sample_groups,
+    std_filter_kept_count,
+    top_std_groups,
 )
 from gigpo_trl.env_pool import EnvPool
 from gigpo_trl.records import read_trajectories
@@ -385,3 +392,219 @@ def test_a_training_set_without_rows_by_index_is_refused_with_dynamic_sampling(t
     with pytest.raises(ValueError, match=r"dynamic_sampling_max_rounds draws further tasks from train_dataset by row "
                                          r"index, and this train_dataset \(IterableDataset\) has no rows by index"):
         ScriptedTrainer(tiny_model_path, args=dynamic_config(tmp_path), train_dataset=streamed)
+
+
+# ------------------------------------------------------------------------------------------
+# Reward-std filtering (RAGEN's rule): which groups, then in GiGPOTrainer.
+# ------------------------------------------------------------------------------------------
+
+
+def test_a_group_s_return_std_is_bessel_s_over_its_trajectories_and_ties_exactly_in_any_order():
+    stds = group_return_stds([0, 0, 1, 1, 1, 2, 3, 3], [1.0, 0.0, 0.1, 0.2, 0.3, 5.0, 2.0, 2.0])
+
+    assert stds == {0: pytest.approx(np.sqrt(0.5)), 1: pytest.approx(0.1), 2: 0.0, 3: 0.0}  # 2: a single trajectory
+    # np.std of these returns in these two orders differs in the last bit; sorted first, the two groups tie exactly.
+    assert np.std([0.8, 0.1, 0.7], ddof=1) != np.std([0.7, 0.8, 0.1], ddof=1)
+    stds = group_return_stds([4, 4, 4, 5, 5, 5], [0.8, 0.1, 0.7, 0.7, 0.8, 0.1])
+    assert stds[4] == stds[5]
+
+
+@pytest.mark.parametrize(("num_groups", "ratio", "kept"), [
+    (8, 0.25, 2), (8, 0.5, 4), (6, 0.25, 2), (10, 0.3, 3), (10, 0.7, 7), (4, 0.01, 1), (7, 1.0, 7), (3, 0.5, 2),
+    (0, 0.5, 0),
+])
+def test_the_filter_keeps_the_ceiling_of_the_ratio_of_the_groups(num_groups, ratio, kept):
+    assert std_filter_kept_count(num_groups, ratio) == kept
+    everyone = top_std_groups([[0.0] * num_groups], ratio, seed=0, step=0)
+    assert len(everyone[0]) == kept
+
+
+def test_the_groups_of_the_largest_return_std_are_kept_over_all_processes():
+    stds = [[0.7, 0.0, 0.5], [0.1, 0.7, 0.0]]  # two processes of three groups each
+
+    assert top_std_groups(stds, 0.5, seed=0, step=0) == [[0, 2], [1]]  # 0.7, 0.5 | 0.7 of six: 3
+    assert top_std_groups(stds, 2 / 6, seed=0, step=0) == [[0], [1]]
+    assert top_std_groups(stds, 4 / 6, seed=0, step=0) == [[0, 2], [0, 1]]
+    assert top_std_groups(stds, 1.0, seed=0, step=0) == [[0, 1, 2], [0, 1, 2]]
+    # Over all processes, not each its own share: the first process holds both of the largest.
+    assert top_std_groups([[0.9, 0.8], [0.1, 0.0]], 0.5, seed=0, step=0) == [[0, 1], []]
+    # Processes may hold different numbers of groups (dynamic sampling's, short at its limit), or none.
+    assert top_std_groups([[], [0.2, 0.9, 0.4], [0.5]], 0.5, seed=0, step=0) == [[], [1], [0]]
+    assert top_std_groups([[], []], 0.5, seed=0, step=0) == [[], []]
+
+
+def test_ties_are_broken_by_a_draw_from_the_seed_and_the_step_never_against_a_larger_std():
+    equal = [[0.0] * 4, [0.0] * 4]
+    draws = {step: top_std_groups(equal, 0.25, seed=3, step=step) for step in range(20)}
+
+    for step, kept in draws.items():
+        assert sum(map(len, kept)) == 2
+        assert kept == top_std_groups(equal, 0.25, seed=3, step=step)  # another process, or a rerun, agrees
+    assert len({str(kept) for kept in draws.values()}) > 1  # another step, another draw
+    assert all(any(kept[process] for kept in draws.values()) for process in (0, 1))  # either process gets its turn
+    assert any(top_std_groups(equal, 0.25, seed=seed, step=0) != draws[0] for seed in (4, 5))  # another run's seed
+
+    rng = np.random.default_rng(0)
+    for step in range(50):  # few distinct values: many ties
+        stds = [rng.choice([0.0, 0.5, 0.7], size=rng.integers(0, 6)).tolist() for _ in range(3)]
+        ratio = float(rng.uniform(0.05, 1.0))
+        kept = top_std_groups(stds, ratio, seed=0, step=step)
+        kept_stds = [stds[p][k] for p in range(3) for k in kept[p]]
+        dropped = [std for p in range(3) for k, std in enumerate(stds[p]) if k not in kept[p]]
+        assert len(kept_stds) == std_filter_kept_count(sum(map(len, stds)), ratio)
+        assert min(kept_stds, default=np.inf) >= max(dropped, default=-np.inf)
+
+
+def test_the_filter_s_counts_give_the_threshold_and_the_mean_std_of_kept_and_dropped_groups():
+    stds = [[0.7, 0.0, 0.5], [0.1, 0.7, 0.0]]
+    counts = StdFilterCounts.of(stds, top_std_groups(stds, 0.5, seed=0, step=0))
+
+    assert counts.as_metrics() == pytest.approx({
+        "reward_std_filter/groups_ranked": 6.0, "reward_std_filter/groups_kept": 3.0,
+        "reward_std_filter/groups_dropped": 3.0, "reward_std_filter/groups_kept_zero_std": 0.0,
+        "reward_std_filter/std_threshold": 0.5, "reward_std_filter/kept_std_mean": (0.7 + 0.5 + 0.7) / 3,
+        "reward_std_filter/dropped_std_mean": 0.1 / 3,
+    })
+    everything = StdFilterCounts.of(stds, top_std_groups(stds, 1.0, seed=0, step=0))
+    assert (everything.groups_dropped, everything.groups_kept_zero_std, everything.dropped_std_mean,
+            everything.std_threshold) == (0, 2, 0.0, 0.0)
+    assert StdFilterCounts.of([[], []], [[], []]) == StdFilterCounts(0, 0, 0, 0, 0.0, 0.0, 0.0)
+
+
+def test_a_process_keeps_the_samples_of_its_groups_that_rank_among_every_process_s():
+    rollout = play_corridors([MIXED, LONG])  # this process: stds 0.71 and 0
+    groups = rollout.steps.group
+    gathered = []
+
+    def gather(mine):  # process 1 of 2; process 0 holds a group of std 0.8 and one of 0
+        gathered.append(mine)
+        return [[0.8, 0.0], mine]
+
+    samples, counts = filter_by_return_std(rollout, range(len(groups)), 0.5, seed=0, step=0, process=1, gather=gather)
+
+    assert gathered == [[pytest.approx(np.sqrt(0.5)), 0.0]]
+    assert samples == [k for k, group in enumerate(groups) if group == 0]  # k = 2 of 4: 0.8 there, 0.71 here
+    assert (counts.groups_ranked, counts.groups_kept, counts.std_threshold) == (4, 2, pytest.approx(np.sqrt(0.5)))
+    # Only the groups of the samples offered are ranked (dynamic sampling's kept ones): here the long corridor alone.
+    offered = [k for k, group in enumerate(groups) if group == 1]
+    samples, counts = filter_by_return_std(rollout, offered, 0.5, seed=0, step=0)
+    assert samples == offered and (counts.groups_ranked, counts.groups_kept) == (1, 1)
+
+
+def std_filter_config(tmp_path, **overrides) -> GiGPOConfig:
+    """4 tasks x 2 copies per rollout on one process, one micro-batch, no dynamic sampling."""
+    return dynamic_config(tmp_path, **{"per_device_train_batch_size": 8, "dynamic_sampling_max_rounds": 0,
+                                       "reward_std_filter_ratio": 0.5, **overrides})
+
+
+def real_samples(trainer: ScriptedTrainer, batch) -> list[int]:
+    """The step samples of the latest rollout that are the batch's real rows, in row order, checked against their
+    answers and advantages."""
+    steps = trainer.last_rollout.steps
+    gigpo = advantages_of(trainer.last_rollout, invalid_penalty=trainer.args.invalid_action_penalty)
+    by_answer = {}
+    for sample, completion in enumerate(steps.completion):
+        by_answer.setdefault((tuple(completion.prompt_ids), tuple(completion.completion_ids)), []).append(sample)
+    found = []
+    for row in torch.nonzero(real_rows(batch)).flatten().tolist():
+        prompt = batch["prompt_ids"][row][batch["prompt_mask"][row].bool()].tolist()
+        answer = batch["completion_ids"][row][batch["completion_mask"][row].bool()].tolist()
+        candidates = [k for k in by_answer[tuple(prompt), tuple(answer)] if k not in found]
+        found.append(candidates[0])
+        assert batch["advantages"][row].item() == pytest.approx(gigpo.advantages[found[-1]], abs=1e-6)
+    return found
+
+
+def test_only_the_groups_of_the_largest_return_std_reach_the_update(tmp_path, tiny_model_path):
+    # Stds of the four groups: long 0 (both cut off), mixed 0.71, short 0 (both win, one later), mixed 0.71.
+    dataset = corridors(LONG, MIXED, SHORT, MIXED)
+    trainer = ScriptedTrainer(tiny_model_path, args=std_filter_config(tmp_path), train_dataset=dataset)
+    trainer.model.train()
+    tasks = [dataset[k] for k in range(4) for _ in range(2)]
+
+    batch = trainer._generate_and_score_completions(tasks)
+
+    groups = trainer.last_rollout.steps.group
+    expected = [k for k, group in enumerate(groups) if group in (1, 3)]
+    assert real_samples(trainer, batch) == expected
+    assert batch["tool_mask"].size(0) == len(expected)  # one process: no padding row
+    logged = {name: values[-1] for name, values in trainer._metrics["train"].items()}
+    assert {name: value for name, value in logged.items() if name.startswith("reward_std_filter/")} == pytest.approx({
+        "reward_std_filter/groups_ranked": 4.0, "reward_std_filter/groups_kept": 2.0,
+        "reward_std_filter/groups_dropped": 2.0, "reward_std_filter/groups_kept_zero_std": 0.0,
+        "reward_std_filter/std_threshold": np.sqrt(0.5),
+        "reward_std_filter/kept_std_mean": np.sqrt(0.5), "reward_std_filter/dropped_std_mean": 0.0,
+    })
+    assert logged["gigpo/update_step_samples"] == len(expected) < logged["env/step_samples"] == len(groups)
+    assert not [name for name in logged if name.startswith("dynamic_sampling/")]
+
+    # Without the filter the same tasks put every sample in the update.
+    trainer.args.reward_std_filter_ratio = None
+    batch = trainer._generate_and_score_completions(tasks)
+    assert real_samples(trainer, batch) == list(range(len(trainer.last_rollout.steps)))
+    trainer.close_environments()
+
+
+def test_equal_stds_are_broken_the_same_way_in_two_runs(tmp_path, tiny_model_path):
+    # k = ceil(0.5 x 4) = 2: the mixed corridor (std 0.71), and one of the three others, whose stds are all 0 (both
+    # copies cut off, both win, both cut off): the draw of the seed and the step decides which.
+    dataset = corridors(MIXED, LONG, SHORT, LONG - 2)
+    tasks = [dataset[k] for k in range(4) for _ in range(2)]
+    chosen = []
+    for run in ("first", "second"):
+        trainer = ScriptedTrainer(tiny_model_path, args=std_filter_config(tmp_path / run), train_dataset=dataset)
+        trainer.model.train()
+        per_step = []
+        for step in (0, 2):
+            trainer.state.global_step = step
+            batch = trainer._generate_and_score_completions(tasks)
+            groups = trainer.last_rollout.steps.group
+            kept = sorted({groups[sample] for sample in real_samples(trainer, batch)})
+            assert real_samples(trainer, batch) == [k for k, group in enumerate(groups) if group in kept]
+            assert kept == top_std_groups([[np.sqrt(0.5), 0.0, 0.0, 0.0]], 0.5, seed=0, step=step)[0]
+            assert trainer._metrics["train"]["reward_std_filter/groups_kept_zero_std"][-1] == 1
+            per_step.append(kept)
+        trainer.close_environments()
+        chosen.append(per_step)
+
+    assert chosen[0] == chosen[1]
+    assert chosen[0][0][0] == 0 and chosen[0][0] != chosen[0][1]  # another step, another draw among the tied groups
+
+
+def test_with_dynamic_sampling_the_filter_ranks_the_groups_it_kept(tmp_path, tiny_model_path):
+    # 2 tasks a rollout: the long corridor has no signal, so a round is played; dynamic sampling keeps the mixed
+    # corridors of the first rollout and of round 1, and the filter keeps ceil(0.5 x 2) = 1 of them.
+    dataset = corridors(LONG, MIXED, MIXED, MIXED, MIXED, MIXED)
+    args = dynamic_config(tmp_path, dynamic_sampling_max_rounds=2, reward_std_filter_ratio=0.5)
+    trainer = ScriptedTrainer(tiny_model_path, args=args, train_dataset=dataset)
+    trainer.model.train()
+
+    batch = trainer._generate_and_score_completions([dataset[0], dataset[0], dataset[1], dataset[1]])
+
+    logged = {name: values[-1] for name, values in trainer._metrics["train"].items()}
+    assert (logged["dynamic_sampling/groups_rolled"], logged["dynamic_sampling/groups_kept"]) == (4, 2)
+    assert (logged["reward_std_filter/groups_ranked"], logged["reward_std_filter/groups_kept"]) == (2, 1)
+    groups = trainer.last_rollout.steps.group
+    (kept,) = {groups[sample] for sample in real_samples(trainer, batch)}
+    assert kept in (1, 2, 3) and 0 != kept
+    assert logged["gigpo/update_step_samples"] == groups.count(kept)
+    trainer.close_environments()
+
+
+@pytest.mark.parametrize("ratio", [0, 0.0, -0.5, 1.5, float("nan"), "0.5", True])
+def test_a_ratio_outside_zero_to_one_is_refused_by_name(tmp_path, ratio):
+    with pytest.raises(ValueError, match=rf"reward_std_filter_ratio={re.escape(repr(ratio))} must be None \(off\) or a "
+                                         r"number in \(0, 1\]"):
+        std_filter_config(tmp_path, reward_std_filter_ratio=ratio)
+
+
+def test_a_ratio_that_would_never_drop_a_group_is_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"reward_std_filter_ratio=0.8 keeps ceil\(0.8 x 4\) = 4 of the 4 task "
+                                         r"group\(s\) of a rollout .* it would never drop one. Use a ratio of at most "
+                                         r"3/4 or more tasks"):
+        std_filter_config(tmp_path, reward_std_filter_ratio=0.8)
+    with pytest.raises(ValueError, match=r"= 1 of the 1 task group\(s\) .* never drop one. Use more tasks per rollout"):
+        std_filter_config(tmp_path, reward_std_filter_ratio=0.5, per_device_train_batch_size=2)
+    assert std_filter_config(tmp_path, reward_std_filter_ratio=0.75).reward_std_filter_ratio == 0.75
+    assert std_filter_config(tmp_path, reward_std_filter_ratio=1.0).reward_std_filter_ratio == 1.0  # keeps all, logs
+    assert std_filter_config(tmp_path, reward_std_filter_ratio=None).reward_std_filter_ratio is None
