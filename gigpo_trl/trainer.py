@@ -343,6 +343,7 @@ class GiGPOTrainer(GRPOTrainer):
                 num_groups,
                 group_size,
                 step_timeout=self.args.step_timeout,
+                reset_attempts=self.args.env_reset_attempts,
                 processes=self.args.env_processes,
                 name=self.env_name,
             )
