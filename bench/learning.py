@@ -27,7 +27,9 @@ Every run writes its records as it goes (gigpo/iterations.jsonl, evaluations.jso
 --analyze-only redoes the comparison from whatever the runs have written. --detach starts the whole command in a new
 process session (it outlives the shell), writes its output to OUTPUT/learning.log and returns at once. The summary
 applies the pre-registered criterion of docs/results.md: decided when one method's final held-out success is above
-the other's on every seed.
+the other's on every seed. Held-out figures are compared only between runs whose evaluations played the same tasks
+(OUTPUT/*/gigpo/evaluations.jsonl name them): where an environment could not start a task, or the panels differ, the
+held-out comparison and the decision are refused, naming the runs and the tasks, unless --allow-panel-mismatch.
 
 --screen plays each candidate config's held-out panel greedily with the base model (no training) and one sampled
 rollout, and prints what choosing a setting needs: held-out success, the optimal path length (breadth-first),
@@ -60,12 +62,15 @@ from pathlib import Path
 
 import numpy as np
 
-from gigpo_trl.records import read_iterations, read_trajectories
+from gigpo_trl.records import read_evaluations, read_iterations, read_trajectories
 
 ROOT = Path(__file__).resolve().parent.parent
 EMBEDDED = "embedded:SmolLM2-135M-Instruct"
 PAPER, BASELINE = "GiGPO", "GRPO (omega=0)"
 SUCCESS_TARGETS = (0.5, 0.8)  # training success (trailing mean of 5) whose first iteration is reported per seed
+PANEL_FLAG = "--allow-panel-mismatch"
+# Per (method, seed) run: per evaluation step, the held-out tasks played (None: not recorded).
+Panels = dict[tuple[str, int], dict[int, frozenset[str] | None]]
 
 
 def methods(step_lambda: float | None = None) -> dict[str, list[str]]:
@@ -520,19 +525,35 @@ def comparisons(arms: Sequence[str]) -> list[tuple[str, str]]:
         (method, PAPER) for method in arms if method not in (PAPER, BASELINE)]
 
 
-def summary(rows: list[dict], seeds: list[int], arms: Sequence[str]) -> dict:
+def summary(rows: list[dict], seeds: list[int], arms: Sequence[str], panels: Panels | None = None,
+            allow_panel_mismatch: bool = False) -> dict:
     """Final success rates and episode lengths, when each method reaches the other's final value (mean over seeds),
-    and per seed the first iteration at which training success reaches each of SUCCESS_TARGETS."""
+    and per seed the first iteration at which training success reaches each of SUCCESS_TARGETS. The held-out
+    comparisons of two methods (`eval`, `decision`, `decisions`) are refused where their runs' evaluations did not play
+    the same tasks (`panels`, see `panel_differences`), unless `allow_panel_mismatch`; `held_out_panels` says which."""
+    panels = panels or {}
     result: dict = {"seeds": seeds, "methods": list(arms)}
     pairs = comparisons(arms)
+    every_difference = panel_differences(panels, arms)
+    result["held_out_panels"] = {
+        "same_tasks": every_difference is None, "differences": every_difference,
+        "compared_anyway": every_difference is not None and allow_panel_mismatch,
+        "tasks_not_recorded": [f"{method} seed {seed}" for (method, seed), by_step in panels.items()
+                               if None in by_step.values()],
+    }
     for mode in ("train", "eval"):
         window = 5 if mode == "train" else 1  # training curves are noisy: compare trailing means
         result[mode] = {"trailing_window": window}
         for field, higher in (("success_rate", True), ("episode_length", False)):
-            result[mode][field] = {f"{method} against {against}": _comparison(rows, mode, field, window, higher, method,
-                                                                              against) for method, against in pairs}
-    result["decision"] = decision(rows)
-    result["decisions"] = {f"{method} against {against}": decision(rows, method, against) for method, against in pairs}
+            result[mode][field] = {}
+            for method, against in pairs:
+                differences = panel_differences(panels, (method, against)) if mode == "eval" else None
+                compared = (_comparison(rows, mode, field, window, higher, method, against)
+                            if allow_panel_mismatch or differences is None else {"refused": _refusal(differences)})
+                result[mode][field][f"{method} against {against}"] = compared
+    result["decision"] = decision(rows, panels=panels, allow_panel_mismatch=allow_panel_mismatch)
+    result["decisions"] = {f"{method} against {against}": decision(rows, method, against, panels, allow_panel_mismatch)
+                           for method, against in pairs}
     result["first_step_at_train_success"] = {
         method: {f"{target:g}": first_steps_at(rows, method, target) for target in SUCCESS_TARGETS} for method in arms}
     train = [r for r in rows if r["mode"] == "train"]
@@ -576,19 +597,56 @@ def first_steps_at(rows: list[dict], method: str, target: float, window: int = 5
     return result
 
 
-def decision(rows: list[dict], first: str = PAPER, second: str = BASELINE) -> str:
+def decision(rows: list[dict], first: str = PAPER, second: str = BASELINE, panels: Panels | None = None,
+             allow_panel_mismatch: bool = False) -> str:
     """The pre-registered criterion (docs/results.md): decided when one method's final held-out success is above the
-    other's on every seed (each run's last evaluation); otherwise undecided."""
+    other's on every seed (each run's last evaluation); otherwise undecided. Refused when those last evaluations did
+    not all play the same tasks (`panels`, see `panel_differences`), unless `allow_panel_mismatch`: then it says so."""
+    differences = panel_differences(panels or {}, (first, second), final_only=True)
+    if differences is not None and not allow_panel_mismatch:
+        return f"refused: {_refusal(differences)}"
     final: dict[str, dict[int, float]] = {first: {}, second: {}}
     for row in sorted((r for r in rows if r["mode"] == "eval" and r["method"] in final), key=lambda r: r["step"]):
         final[row["method"]][row["seed"]] = row["success_rate"]
     seeds = sorted(set(final[first]) & set(final[second]))
+    anyway = "" if differences is None else f" (compared with {PANEL_FLAG} although {differences})"
     if not seeds:
         return "undecided: no held-out evaluation"
     for better, worse in ((first, second), (second, first)):
         if all(final[better][seed] > final[worse][seed] for seed in seeds):
-            return f"decided: {better} above {worse} on every seed ({len(seeds)})"
-    return f"undecided: neither method is above the other on every seed ({len(seeds)})"
+            return f"decided: {better} above {worse} on every seed ({len(seeds)}){anyway}"
+    return f"undecided: neither method is above the other on every seed ({len(seeds)}){anyway}"
+
+
+def held_out_panels(runs: dict[tuple[str, int], Path]) -> Panels:
+    """Per run, the tasks each of its evaluations played, by training step (the latest evaluation at a step, as the
+    curves keep it): from OUTPUT_DIR/gigpo/evaluations.jsonl; None for an evaluation recorded without them (records
+    written before evaluations named their tasks)."""
+    return {run: {record["step"]: frozenset(record["tasks"]) if "tasks" in record else None
+                  for record in read_evaluations(output_dir)} for run, output_dir in runs.items()}
+
+
+def panel_differences(panels: Panels, methods: Sequence[str], final_only: bool = False) -> str | None:
+    """Which evaluations of these methods' runs (each run's last one with `final_only`) did not play every task that
+    the others played: which run, at which step, and the tasks it lacks; None when they all played the same tasks.
+    Evaluations recorded without their tasks are not compared (`held_out_panels`)."""
+    played = {}
+    for (method, seed), by_step in sorted(panels.items()):
+        if method in methods:
+            steps = [max(by_step)] if final_only and by_step else sorted(by_step)
+            played |= {(method, seed, step): by_step[step] for step in steps if by_step[step] is not None}
+    every_task = frozenset().union(*played.values())
+    short = [f"{method} seed {seed} at step {step} played {len(tasks)} of the {len(every_task)} tasks (not: "
+             f"{_some(sorted(every_task - tasks))})" for (method, seed, step), tasks in played.items() if tasks != every_task]
+    return f"the held-out panels differ: {'; '.join(short)}" if short else None
+
+
+def _refusal(differences: str) -> str:
+    return f"{differences}; their held-out figures are not over the same tasks ({PANEL_FLAG} compares them anyway)"
+
+
+def _some(names: list[str], shown: int = 5) -> str:
+    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
 
 
 def _comparison(rows: list[dict], mode: str, field: str, window: int, higher_is_better: bool, method: str,
@@ -633,6 +691,9 @@ def main() -> None:
     parser.add_argument("--entropy-from", type=Path, default=None, metavar="CSV",
                         help="the entropy of runs whose log is missing (records brought back without it) from an "
                         "earlier analysis's learning_curves.csv, made where the logs were")
+    parser.add_argument(PANEL_FLAG, action="store_true",
+                        help="compare held-out figures even of runs whose evaluations did not play the same tasks (an "
+                        "environment that could not start, another panel); the summary says which (held_out_panels)")
     parser.add_argument("--parallel", action="store_true", help="start every run at once (one process each)")
     parser.add_argument("--detach", action="store_true", help="run in a new process session, output to OUTPUT/learning.log")
     parser.add_argument("--screen-tasks", type=int, nargs=3, default=[32, 4, 8], metavar=("EVAL", "SAMPLED", "COPIES"),
@@ -681,7 +742,8 @@ def main() -> None:
         writer.writeheader()
         writer.writerows(rows)
     plot(rows, args.output / "learning_curves.png")
-    result = summary(rows, args.seeds, list(arms)) | {"wall_seconds": seconds}
+    panels = held_out_panels(runs)
+    result = summary(rows, args.seeds, list(arms), panels, args.allow_panel_mismatch) | {"wall_seconds": seconds}
     advantages = {f"{method} seed {seed}": draught_advantages(hint_steps[method, seed]) for method, seed in runs}
     if all(advantages.values()):
         result["advantage_by_draught"] = advantages

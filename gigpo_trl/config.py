@@ -136,6 +136,13 @@ class GiGPOConfig(GRPOConfig):
         metadata={"help": "Run each environment in its own worker process (survives crashes and hangs). False runs "
                   "them in the trainer's process (only exceptions are caught)."},
     )
+    env_reset_attempts: int = field(
+        default=3,
+        metadata={"help": "Times an environment's reset is tried, each on a fresh environment, before its copy of the "
+                  "task counts as unable to start (training and evaluation alike). The attempts come before the "
+                  "episode's first turn, so they add no generation call. An evaluation reports the tasks that still "
+                  "could not be played (eval_env/panel_unplayed) and leaves them out of its figures."},
+    )
     log_trajectories: int = field(
         default=8,
         metadata={"help": "Episodes of each rollout written to output_dir/gigpo/trajectories for the run report's "
@@ -266,6 +273,8 @@ class GiGPOConfig(GRPOConfig):
             problems.append(f"history_length={self.history_length} must be >= 0")
         if self.step_timeout <= 0:
             problems.append(f"step_timeout={self.step_timeout} must be > 0")
+        if self.env_reset_attempts < 1:
+            problems.append(f"env_reset_attempts={self.env_reset_attempts} must be >= 1 (1: no second attempt)")
         if self.max_step_samples_per_micro_batch is not None and self.max_step_samples_per_micro_batch < 1:
             problems.append(f"max_step_samples_per_micro_batch={self.max_step_samples_per_micro_batch} must be >= 1")
         if self.dynamic_sampling_max_rounds < 0:

@@ -4,8 +4,11 @@ Every environment lives in its own worker process. A step that raises, crashes t
 (segfault, `os._exit`) or does not answer within `step_timeout` ends only that environment's
 trajectory: its output is marked truncated with the reason in `info["env_error"]`, its worker is
 replaced by a fresh one (a new environment is created at the next reset), and the rest of the
-batch goes on. With `processes=False` environments run in this process instead: exceptions are
-still caught, but a crash or a hang is not survivable (use it for pure-Python environments).
+batch goes on. A reset that fails is tried again on the fresh environment, up to `reset_attempts`
+times in all, before the episode's first turn (so no generation call is added); a copy that still
+cannot start comes back truncated with the reason. With `processes=False` environments run in this
+process instead: exceptions are still caught, but a crash or a hang is not survivable (use it for
+pure-Python environments).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from gigpo_trl.envs import TextEnv, anchor_of
 from gigpo_trl.tasks import Task
 
 INFO_ENV_ERROR = "env_error"
+ENDS_HERE = "its trajectory ends here (the run goes on; logged as env/env_error_share)"
 
 
 class GroupStartMismatchWarning(UserWarning):
@@ -66,6 +70,9 @@ class EnvPool:
         group_size: N, the number of copies of each task.
         step_timeout: seconds a step may take before its environment is declared hung.
         reset_timeout: seconds a reset may take (first resets may generate games on disk).
+        reset_attempts: times a copy's reset is tried, each on a fresh environment, before the copy counts as
+            unable to start (an engine that fails under load, a port taken): at most `reset_attempts *
+            reset_timeout` seconds for a reset that hangs every time.
         processes: one worker process per environment (True) or everything in this process (False).
         start_method: multiprocessing start method; default "fork" where available (fast, and works
             with environments defined in a notebook), else "spawn".
@@ -80,6 +87,7 @@ class EnvPool:
         *,
         step_timeout: float = 30.0,
         reset_timeout: float = 600.0,
+        reset_attempts: int = 3,
         processes: bool = True,
         start_method: str | None = None,
         name: str | None = None,
@@ -88,9 +96,11 @@ class EnvPool:
             raise ValueError(f"num_groups and group_size must be >= 1, got {num_groups} and {group_size}")
         if step_timeout <= 0 or reset_timeout <= 0:
             raise ValueError(f"timeouts must be > 0, got step_timeout={step_timeout}, reset_timeout={reset_timeout}")
+        if reset_attempts < 1:
+            raise ValueError(f"reset_attempts must be >= 1, got {reset_attempts}")
         self.env_fn = env_fn
         self.num_groups, self.group_size = num_groups, group_size
-        self.step_timeout, self.reset_timeout = step_timeout, reset_timeout
+        self.step_timeout, self.reset_timeout, self.reset_attempts = step_timeout, reset_timeout, reset_attempts
         self.processes = processes
         self.name = name or getattr(env_fn, "__name__", repr(env_fn))
         self.num_restarts = 0
@@ -116,7 +126,8 @@ class EnvPool:
     def reset(self, tasks: Sequence[Task]) -> list[EnvOutput]:
         """Reset all G x N environments, N copies per task; returns one output per environment.
 
-        A copy whose reset fails comes back truncated with `info["env_error"]`. If the copies of a
+        A copy whose reset fails is reset again on a fresh environment, up to `reset_attempts` times in
+        all; one that fails every time comes back truncated with `info["env_error"]`. If the copies of a
         task do not start in the same state, a `GroupStartMismatchWarning` names the environment.
         """
         if len(tasks) != self.num_groups:
@@ -124,9 +135,8 @@ class EnvPool:
         # The first copy of every task first: work an environment does once per task (generating and
         # caching a game) then happens once, not N times at the same moment.
         first_copies = range(0, self.num_envs, self.group_size)
-        outputs = self._run({i: ("reset", tasks[self.group_of(i)]) for i in first_copies}, self.reset_timeout)
-        other_copies = [i for i in range(self.num_envs) if i % self.group_size]
-        outputs |= self._run({i: ("reset", tasks[self.group_of(i)]) for i in other_copies}, self.reset_timeout)
+        outputs = self._reset(first_copies, tasks)
+        outputs |= self._reset([i for i in range(self.num_envs) if i % self.group_size], tasks)
         self._check_group_starts(tasks, outputs)
         return [outputs[i] for i in range(self.num_envs)]
 
@@ -154,7 +164,27 @@ class EnvPool:
 
     # ----------------------------------------------------------------------------------------
 
-    def _run(self, requests: dict[int, tuple[str, Any]], timeout: float) -> dict[int, EnvOutput]:
+    def _reset(self, env_ids: Sequence[int], tasks: Sequence[Task]) -> dict[int, EnvOutput]:
+        """Reset these environments to their tasks, each failed one again (on the fresh environment that replaced
+        it) until it starts or has failed `reset_attempts` times."""
+        outputs, pending = {}, list(env_ids)
+        for attempt in range(1, self.reset_attempts + 1):
+            retried = f"its reset is tried again (attempt {attempt + 1} of {self.reset_attempts})"
+            then = ENDS_HERE if attempt == self.reset_attempts else retried
+            outputs |= self._run({i: ("reset", tasks[self.group_of(i)]) for i in pending}, self.reset_timeout, then,
+                                 stacklevel=4)
+            pending = [i for i in pending if INFO_ENV_ERROR in outputs[i].info]
+            if not pending:
+                break
+        if self.reset_attempts > 1:
+            for i in pending:
+                outputs[i].info[INFO_ENV_ERROR] += f" (the reset failed all {self.reset_attempts} attempts)"
+        return outputs
+
+    def _run(self, requests: dict[int, tuple[str, Any]], timeout: float, then: str = ENDS_HERE,
+             stacklevel: int = 3) -> dict[int, EnvOutput]:
+        """Send the requests, wait for the replies; a failure comes back truncated with the reason, and is warned about
+        (at the pool's caller, `stacklevel`) with `then`, what happens next."""
         replies = self._run_in_processes(requests, timeout) if self.processes else self._run_inline(requests)
         outputs = {}
         for i, (status, payload) in replies.items():
@@ -163,8 +193,8 @@ class EnvPool:
                 self._last_observations[i] = payload.observation
             else:
                 outputs[i] = EnvOutput(self._last_observations[i], truncated=True, info={INFO_ENV_ERROR: payload})
-                warnings.warn(f"environment {self.name!r} #{i} failed and its trajectory ends here (the run goes on; "
-                              f"logged as env/env_error_share): {payload}", EnvironmentFailureWarning, stacklevel=3)
+                warnings.warn(f"environment {self.name!r} #{i} failed and {then}: {payload}", EnvironmentFailureWarning,
+                              stacklevel=stacklevel)
         return outputs
 
     def _run_inline(self, requests: dict[int, tuple[str, Any]]) -> dict[int, tuple[str, Any]]:

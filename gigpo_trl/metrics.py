@@ -3,9 +3,9 @@
 A process summarizes its own rollout (`RolloutSummary.of`); the trainer gathers the summaries of all processes and
 `rollout_metrics` turns them into the logged numbers (`env/*`, `gigpo/*`, `timing/*`, `dynamic_sampling/*`,
 `reward_std_filter/*`, TRL's `reward`, ...), so a metric means the same on one process and on many. Evaluations count
-every held-out (task, copy) once (`panel_metrics`), and the loss's per-row metrics leave the lock-step padding rows out
-(`padding_free_row_metrics`).
-No torch and no trainer state here.
+every held-out (task, copy) once, over the tasks they could play (`panel_metrics`, `panel_tasks`), and the loss's
+per-row metrics leave the lock-step padding rows out (`padding_free_row_metrics`; a micro-batch run in several passes
+logs one value, `merged_pass_metrics`). No torch and no trainer state here.
 """
 
 from __future__ import annotations
@@ -232,47 +232,76 @@ def merged_pass_metrics(passes: Sequence[float], rows: Sequence[int], tokens: Se
 class PanelEpisode:
     """What evaluation keeps of an episode: its task, which of the task's copies it was, and its outcome."""
 
-    task: str  # the seed and options, as JSON
+    task: str  # the task's name: "seed 7", or "seed 7, options {...}" (its options as JSON)
     copy: int
     task_type: str | None
     won: bool | None  # None: the environment did not say
     episode_return: float
     length: int
+    unplayed: str | None = None  # why it could not be played: its environment failed before the first action
 
     @classmethod
     def of(cls, episode: Episode, group_size: int) -> PanelEpisode:
-        task = json.dumps([episode.seed, episode.options], sort_keys=True)
-        return cls(task, episode.trajectory % group_size, episode.task_type, episode.won, episode.episode_return,
-                   episode.length)
+        unplayed = episode.env_error if episode.length == 0 else None
+        return cls(task_name(episode.seed, episode.options), episode.trajectory % group_size, episode.task_type,
+                   episode.won, episode.episode_return, episode.length, unplayed)
+
+
+def task_name(seed: int | None, options: dict | None) -> str:
+    """How evaluations name a task: "seed 7", or "seed 7, options {...}" with its options as JSON."""
+    return f"seed {seed}" + (f", options {json.dumps(options, sort_keys=True)}" if options else "")
+
+
+def panel_tasks(episodes: Sequence[PanelEpisode]) -> tuple[list[str], dict[str, str]]:
+    """The tasks of an evaluation that were played (sorted), and those that could not be, each with why: a task could
+    not be played when the environment of one of its copies failed before the first action, every reset attempt
+    (`env_reset_attempts`). As in `panel_metrics`, the first play of each (task, copy) counts."""
+    first_plays = _first_plays(episodes)
+    unplayed: dict[str, str] = {}
+    for episode in first_plays:
+        if episode.unplayed is not None:
+            unplayed.setdefault(episode.task, episode.unplayed)
+    return sorted({episode.task for episode in first_plays} - unplayed.keys()), dict(sorted(unplayed.items()))
 
 
 def panel_metrics(episodes: Sequence[PanelEpisode]) -> dict[str, float]:
-    """Success rate, mean return and mean episode length over the distinct (task, copy) pairs of an evaluation,
-    overall and per task type (`env/success_rate/<type>`), and the number of distinct tasks (`env/panel_tasks`).
-    The success rates count the episodes whose environment said whether they were won, and are left out where none
-    did.
+    """Success rate, mean return and mean episode length over the distinct (task, copy) pairs of the tasks an evaluation
+    played, overall and per task type (`env/success_rate/<type>`), the number of distinct tasks (`env/panel_tasks`)
+    and of those that could not be played (`env/panel_unplayed`, see `panel_tasks`): every figure is over the
+    `env/panel_tasks - env/panel_unplayed` tasks played, so that one that could not start counts neither as a loss nor
+    as an episode of length 0. The success rates count the episodes whose environment said whether they were won, and
+    are left out where none did.
 
     To give every process whole batches, the evaluation dataloader plays some tasks twice when the task count is
     not a multiple of the tasks per step of all processes; the first play of each (task, copy) counts, the others
     do not, so the figures are those of the panel itself whatever the number of processes and the batch sizes.
     """
-    distinct: dict[tuple[str, int], PanelEpisode] = {}
-    for episode in episodes:
-        distinct.setdefault((episode.task, episode.copy), episode)
-    if not distinct:
+    first_plays = _first_plays(episodes)
+    if not first_plays:
         return {}
-    kept = list(distinct.values())
-    metrics = {
+    played, unplayed = panel_tasks(first_plays)
+    metrics = {"env/panel_tasks": float(len(played) + len(unplayed)), "env/panel_unplayed": float(len(unplayed))}
+    kept = [e for e in first_plays if e.task not in unplayed]
+    if not kept:
+        return metrics
+    metrics |= {
         **_success_rate(sum(e.won is True for e in kept), sum(e.won is not None for e in kept)),
         "env/return_mean": float(np.mean([e.episode_return for e in kept])),
         "env/episode_length_mean": float(np.mean([e.length for e in kept])),
-        "env/panel_tasks": float(len({e.task for e in kept})),
     }
     for task_type in sorted({e.task_type for e in kept if e.task_type is not None}):
         of_type = [e for e in kept if e.task_type == task_type]
         metrics.update(_success_rate(sum(e.won is True for e in of_type), sum(e.won is not None for e in of_type),
                                      name=f"env/success_rate/{task_type}"))
     return metrics
+
+
+def _first_plays(episodes: Sequence[PanelEpisode]) -> list[PanelEpisode]:
+    """The first play of each (task, copy), in order."""
+    distinct: dict[tuple[str, int], PanelEpisode] = {}
+    for episode in episodes:
+        distinct.setdefault((episode.task, episode.copy), episode)
+    return list(distinct.values())
 
 
 def _success_rate(won: float, known: float, name: str = "env/success_rate") -> dict[str, float]:

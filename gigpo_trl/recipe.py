@@ -37,7 +37,7 @@ def train_and_report(trainer: Any, resume_from_checkpoint: str | bool | None = N
                      panel: str = "Held-out success rate") -> RunOutcome:
     """Evaluate (if the trainer has held-out tasks), train, evaluate again, save the model, stop the environments and
     write the run report (`gigpo_trl.report`); the main process prints `panel` with the success rates before and
-    after (the mean returns where the environment does not say whether a task is won), and where the report is.
+    after (`held_out_line`), and where the report is.
 
     The first evaluation runs as training starts (`eval_on_start`), on the model as `train()` prepared it (and as a
     checkpoint it resumes from left it): under DeepSpeed, an `evaluate()` before `train()` leaves transformers'
@@ -55,10 +55,29 @@ def train_and_report(trainer: Any, resume_from_checkpoint: str | bool | None = N
     if not trainer.accelerator.is_main_process:
         return RunOutcome(before, after, None)
     report = write_report(trainer.args.output_dir)
-    if held_out and "eval_env/success_rate" in before:
-        print(f"{panel}: {before['eval_env/success_rate']:.1%} before training -> {after['eval_env/success_rate']:.1%} after")
-    elif held_out:
-        print(f"{panel}: success not reported by the environment (no `won`); mean return {before['eval_env/return_mean']:.4g} "
-              f"before training -> {after['eval_env/return_mean']:.4g} after")
+    if held_out:
+        print(held_out_line(panel, before, after))
     print(f"Report: {report / 'index.html'}")
     return RunOutcome(before, after, report)
+
+
+def held_out_line(panel: str, before: dict[str, Any], after: dict[str, Any]) -> str:
+    """`panel` with the held-out success rates before and after training (the mean returns where the environment does
+    not say whether a task is won), each over the tasks its evaluation played: where one could not play every task,
+    how many it played and which it could not follow, e.g. "19.0% before training (63 of 64 tasks played; 1 could not
+    be: seed 1000023) -> 26.6% after"."""
+    success = "eval_env/success_rate" in before or "eval_env/success_rate" in after
+    name = "eval_env/success_rate" if success else "eval_env/return_mean"
+
+    def figure(metrics: dict[str, Any], when: str) -> str:
+        text = (f"{metrics[name]:.1%}" if success else f"{metrics[name]:.4g}") if name in metrics else "nothing played"
+        text += f" {when}"
+        unplayed = int(metrics.get("eval_env/panel_unplayed", 0))
+        if unplayed:
+            tasks = int(metrics["eval_env/panel_tasks"])
+            text += (f" ({tasks - unplayed} of {tasks} tasks played; {unplayed} could not be: "
+                     f"{metrics['eval_env/panel_unplayed_tasks']})")
+        return text
+
+    prefix = f"{panel}: " if success else f"{panel}: success not reported by the environment (no `won`); mean return "
+    return f"{prefix}{figure(before, 'before training')} -> {figure(after, 'after')}"

@@ -6,7 +6,10 @@
          "step_group_sizes": {size: number of step groups of that size},
          "advantage_bins": [edges], "episode_advantage_counts": [...], "step_advantage_counts": [...]}
     OUTPUT_DIR/gigpo/evaluations.jsonl           one JSON object per evaluation (all its rollouts, each task once):
-        {"step": int, "metrics": {"env/success_rate": float, "env/success_rate/<task type>": float, ...}}
+        {"step": int, "metrics": {"env/success_rate": float, "env/success_rate/<task type>": float, ...,
+                                  "env/panel_tasks": float, "env/panel_unplayed": float},
+         "tasks": [the names of the tasks played, "seed 7", ...],
+         "unplayed": {name of a task that could not be played: why}}   (the metrics are over the tasks played)
     OUTPUT_DIR/gigpo/trajectories/{mode}-{rollout:05d}.json   sample episodes of that rollout:
         [{"group", "trajectory", "seed", "length", "return", "won" (null: the environment did not say), "truncated",
           "env_error", "steps": [{"step", "observation", "completion", "action", "valid", "reward",
@@ -85,12 +88,15 @@ def write_records(output_dir: str | Path, record: dict[str, Any], episodes: list
     staging.replace(path)  # atomic: a report drawn during training never reads half a file
 
 
-def write_evaluation(output_dir: str | Path, step: int, metrics: dict[str, float]) -> None:
-    """Append the record of one evaluation (`GiGPOTrainer.evaluate`) at training step `step`."""
+def write_evaluation(output_dir: str | Path, step: int, metrics: dict[str, float], tasks: Sequence[str],
+                     unplayed: dict[str, str]) -> None:
+    """Append the record of one evaluation (`GiGPOTrainer.evaluate`) at training step `step`: its metrics, the tasks it
+    played and those it could not play, with why (`gigpo_trl.metrics.panel_tasks`)."""
     directory = Path(output_dir) / RECORDS_DIR
     directory.mkdir(parents=True, exist_ok=True)
+    record = {"step": step, "metrics": metrics, "tasks": list(tasks), "unplayed": unplayed}
     with open(directory / "evaluations.jsonl", "a") as file:
-        file.write(json.dumps({"step": step, "metrics": metrics}) + "\n")
+        file.write(json.dumps(record) + "\n")
 
 
 def read_evaluations(output_dir: str | Path) -> list[dict[str, Any]]:

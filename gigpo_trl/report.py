@@ -113,7 +113,7 @@ def write_report(output_dir: str | Path, max_rollouts: int = DEFAULT_ROLLOUTS_SH
         captions[DYNAMIC_SAMPLING_CAPTION[0]] = DYNAMIC_SAMPLING_CAPTION[1]
 
     page = _page(Path(output_dir), records, _trajectory_viewer(records, read_trajectories(output_dir), max_rollouts),
-                 captions)
+                 captions, _unplayed_tasks(evaluations))
     (report_dir / "index.html").write_text(page, encoding="utf-8")
     return report_dir
 
@@ -201,8 +201,11 @@ def _plot_panel(evaluations: list[dict[str, Any]]) -> Figure:
         style = {"linewidth": 3, "color": "black"} if name == "env/success_rate" else {"linestyle": "--"}
         axes.plot(steps, [record["metrics"].get(name, np.nan) for record in evaluations], marker="s", label=label,
                   **style)
-    tasks = int(evaluations[-1]["metrics"].get("env/panel_tasks", 0))
-    axes.set(title=f"Held-out success ({tasks} tasks)", xlabel=STEP_AXIS_LABEL, ylabel="share of episodes won",
+    counts = {(int(m.get("env/panel_tasks", 0)), int(m.get("env/panel_unplayed", 0))) for m in
+              (record["metrics"] for record in evaluations)}
+    tasks = ", ".join(f"{total - unplayed} of {total} tasks played" if unplayed else f"{total} tasks"
+                      for total, unplayed in sorted(counts))
+    axes.set(title=f"Held-out success ({tasks})", xlabel=STEP_AXIS_LABEL, ylabel="share of episodes won",
              ylim=(-0.05, 1.05))
     _step_axis(axes, steps)
     axes.legend()
@@ -281,7 +284,7 @@ def _first_and_last(train: list[dict[str, Any]], evaluation: list[dict[str, Any]
 # ------------------------------------------------------------------------------------------
 
 
-def _page(output_dir: Path, records: list[dict[str, Any]], viewer: str, captions: dict[str, str]) -> str:
+def _page(output_dir: Path, records: list[dict[str, Any]], viewer: str, captions: dict[str, str], unplayed: str) -> str:
     counts = {mode: sum(record["mode"] == mode for record in records) for mode in MODE_NAMES}
     steps = [record["step"] for record in records]
     figures = "\n".join(
@@ -299,7 +302,7 @@ def _page(output_dir: Path, records: list[dict[str, Any]], viewer: str, captions
 <h1>GiGPO run report</h1>
 <p>Run <code>{_escape(output_dir.resolve())}</code>: {counts["train"]} training and {counts["eval"]} evaluation
 rollouts recorded, training steps {min(steps)} to {max(steps)}.</p>
-<h2>Latest metrics</h2>
+{unplayed}<h2>Latest metrics</h2>
 {_metrics_table(records)}
 <h2>Plots</h2>
 {figures}
@@ -308,6 +311,20 @@ rollouts recorded, training steps {min(steps)} to {max(steps)}.</p>
 </body>
 </html>
 """
+
+
+def _unplayed_tasks(evaluations: list[dict[str, Any]]) -> str:
+    """A warning listing, per evaluation, the held-out tasks it could not play and why; "" when every evaluation played
+    its whole panel."""
+    items = [f"<li>step {record['step']}: {len(record['tasks'])} of {len(record['tasks']) + len(record['unplayed'])} "
+             f"tasks played; could not be played: "
+             + "; ".join(f"<b>{_escape(task)}</b> ({_escape(reason)})" for task, reason in record["unplayed"].items())
+             + "</li>" for record in evaluations if record.get("unplayed")]
+    if not items:
+        return ""
+    return ('<div class="unplayed"><p>Held-out tasks that could not be played (their environment failed before the '
+            "first action, every reset attempt): each evaluation's figures are over the tasks it played.</p>\n<ul>"
+            + "\n".join(items) + "</ul></div>\n")
 
 
 def _metrics_table(records: list[dict[str, Any]]) -> str:
@@ -429,6 +446,7 @@ details.episode { margin-left: 1.5em; }
 summary { cursor: pointer; }
 pre { margin: 0; white-space: pre-wrap; word-break: break-word; max-height: 20em; overflow: auto; font-size: 0.85em; }
 tr.invalid { background: #fff3f3; }
+.unplayed { border: 2px solid #c60; background: #fff6e8; padding: 0 1em; }
 .won { color: #17702a; font-weight: bold; }
 .lost { color: #a33; }
 """

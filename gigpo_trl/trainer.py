@@ -29,7 +29,7 @@ from gigpo_trl.generation import completions_from_tokens, greedy_decoding, vllm_
 from gigpo_trl.loss import entropy_bonus, next_entropy_coef, rollout_token_normalizer, row_chunks
 from gigpo_trl.metrics import (
     SINGLETON_WARNING, SINGLETON_WARNING_SHARE, PanelEpisode, RolloutSummary, RolloutTimes, merged_pass_metrics,
-    padding_free_row_metrics, panel_metrics, rollout_metrics,
+    padding_free_row_metrics, panel_metrics, panel_tasks, rollout_metrics,
 )
 from gigpo_trl.models import resolve_model
 from gigpo_trl.prompts import PromptTemplate, load_template, template_for
@@ -357,6 +357,7 @@ class GiGPOTrainer(GRPOTrainer):
                 num_groups,
                 group_size,
                 step_timeout=self.args.step_timeout,
+                reset_attempts=self.args.env_reset_attempts,
                 processes=self.args.env_processes,
                 name=self.env_name,
             )
@@ -499,15 +500,21 @@ class GiGPOTrainer(GRPOTrainer):
         self._metrics["train"]["entropy_coef"].append(self.entropy_coef)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        """GRPOTrainer's log; an evaluation's episode metrics are first recomputed over its distinct tasks."""
+        """GRPOTrainer's log; an evaluation's episode metrics are first recomputed over its distinct tasks, those it
+        could not play left out and named (`eval_env/panel_unplayed_tasks`, a text, logged only when there are any)."""
         if not self.model.training:
             episodes = gather_object(self._eval_episodes)
             self._eval_episodes = []
             metrics = panel_metrics(episodes)
+            played, unplayed = panel_tasks(episodes)
             for name, value in metrics.items():
                 self._metrics["eval"][name] = [value]
+            if unplayed:
+                logs["eval_env/panel_unplayed_tasks"] = "; ".join(unplayed)
+                if self.accelerator.is_main_process:
+                    warnings.warn(_unplayed_message(played, unplayed), stacklevel=2)
             if self.accelerator.is_main_process and metrics:
-                write_evaluation(self.args.output_dir, self.state.global_step, metrics)
+                write_evaluation(self.args.output_dir, self.state.global_step, metrics, played, unplayed)
         super().log(logs, start_time)
 
     def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
@@ -579,3 +586,11 @@ def _short_update_message(metrics: dict[str, float]) -> str:
             f"dynamic_sampling_max_rounds) the update holds {kept} task group(s) with a signal of the {kept + missing} "
             f"asked, and {trains_on}; {int(metrics['dynamic_sampling/groups_dropped'])} of the "
             f"{int(metrics['dynamic_sampling/groups_rolled'])} groups rolled had none (logged as dynamic_sampling/*)")
+
+
+def _unplayed_message(played: list[str], unplayed: dict[str, str]) -> str:
+    """The warning of an evaluation that could not play every task of its panel."""
+    reasons = "; ".join(f"{task}: {reason}" for task, reason in unplayed.items())
+    return (f"the evaluation played {len(played)} of its {len(played) + len(unplayed)} held-out tasks: its figures are "
+            f"over those {len(played)} (logged as eval_env/panel_unplayed, eval_env/panel_unplayed_tasks). Could not be "
+            f"played, after env_reset_attempts resets each: {reasons}")

@@ -257,6 +257,77 @@ def test_the_decision_is_the_pre_registered_criterion():
     assert decision(rows([0.6, 0.4, 0.7], [0.4, 0.4, 0.6])).startswith("undecided")  # a tie on one seed
 
 
+PANEL = ["seed 1000000", "seed 1000001", "seed 1000002"]
+
+
+def write_run(directory: Path, eval_success: dict[int, float], unplayed: dict[int, list[str]]) -> None:
+    """The records of a run as GiGPOTrainer writes them (through gigpo_trl.records): training rollouts at steps 0-1,
+    evaluations of the 3-task PANEL at the steps of `eval_success`, those of `unplayed` without some tasks."""
+    from gigpo_trl.records import iteration_record, write_evaluation, write_records
+
+    parts = [(np.array([2, 2]), np.zeros(2), np.zeros(2))]
+
+    def metrics(success: float) -> dict[str, float]:
+        return {"env/success_rate": success, "env/return_mean": success, "env/episode_length_mean": 5.0,
+                "gigpo/singleton_share": 0.0, "gigpo/step_group_size_mean": 2.0, "timing/rollout_s": 1.0,
+                "timing/advantages_s": 0.0}
+
+    for step in (0, 1):
+        write_records(directory, iteration_record(step, "train", step, metrics(0.5), parts), [])
+    for rollout, (step, success) in enumerate(eval_success.items()):
+        write_records(directory, iteration_record(step, "eval", rollout, metrics(success), parts), [])
+        missing = unplayed.get(step, [])
+        write_evaluation(directory, step, metrics(success), [task for task in PANEL if task not in missing],
+                         {task: "environment raised OSError: no port (the reset failed all 3 attempts)" for task in missing})
+    (directory.parent / f"{directory.name}.log").write_text("")
+
+
+def test_the_comparison_refuses_held_out_figures_of_runs_whose_panels_differ_unless_allowed(tmp_path):
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    for seed in (0, 1):  # GiGPO above GRPO on both seeds, but GRPO seed 1's last evaluation could not play a task
+        write_run(tmp_path / f"gigpo-seed{seed}", {0: 0.2, 2: 0.6}, {})
+        write_run(tmp_path / f"grpo-seed{seed}", {0: 0.2, 2: 0.5}, {2: ["seed 1000001"]} if seed else {})
+    command = [sys.executable, str(root / "bench" / "learning.py"), "--analyze-only", "--seeds", "0", "1", "--output",
+               str(tmp_path)]
+
+    subprocess.run(command, check=True, capture_output=True, cwd=root)
+    refused = json.loads((tmp_path / "summary.json").read_text())
+
+    difference = ("the held-out panels differ: GRPO (omega=0) seed 1 at step 2 played 2 of the 3 tasks (not: "
+                  "seed 1000001)")
+    assert refused["decision"].startswith(f"refused: {difference}; their held-out figures are not over the same tasks")
+    assert refused["decisions"]["GiGPO against GRPO (omega=0)"] == refused["decision"]
+    for field in ("success_rate", "episode_length"):
+        assert refused["eval"][field]["GiGPO against GRPO (omega=0)"]["refused"].startswith(difference)
+    assert refused["held_out_panels"] == {"same_tasks": False, "differences": difference, "compared_anyway": False,
+                                          "tasks_not_recorded": []}
+    assert "final" in refused["train"]["success_rate"]["GiGPO against GRPO (omega=0)"]  # training is not a panel
+
+    subprocess.run([*command, "--allow-panel-mismatch"], check=True, capture_output=True, cwd=root)
+    allowed = json.loads((tmp_path / "summary.json").read_text())
+
+    assert allowed["decision"] == ("decided: GiGPO above GRPO (omega=0) on every seed (2) (compared with "
+                                   f"--allow-panel-mismatch although {difference})")
+    assert allowed["eval"]["success_rate"]["GiGPO against GRPO (omega=0)"]["final"] == {
+        "GiGPO": pytest.approx(0.6), "GRPO (omega=0)": pytest.approx(0.5)}
+    assert allowed["held_out_panels"]["compared_anyway"] is True
+
+    # A difference at an earlier evaluation leaves the decision (last evaluations) alone, not the curves.
+    from bench.learning import decision, held_out_panels, panel_differences
+
+    runs = {("GiGPO", 0): tmp_path / "gigpo-seed0", ("GRPO (omega=0)", 0): tmp_path / "grpo-seed0"}
+    write_run(tmp_path / "early" / "grpo-seed0", {0: 0.2, 2: 0.5}, {0: ["seed 1000002"]})
+    panels = held_out_panels(runs | {("GRPO (omega=0)", 0): tmp_path / "early" / "grpo-seed0"})
+    rows = [{"method": method, "seed": 0, "mode": "eval", "step": 2, "success_rate": value}
+            for method, value in (("GiGPO", 0.6), ("GRPO (omega=0)", 0.5))]
+    assert decision(rows, panels=panels).startswith("decided: GiGPO above")
+    assert panel_differences(panels, ("GiGPO", "GRPO (omega=0)")) == (
+        "the held-out panels differ: GRPO (omega=0) seed 0 at step 0 played 2 of the 3 tasks (not: seed 1000002)")
+
+
 def test_cpu_precision_kernels_time_every_pass_in_both_precisions(tiny_model_path, tmp_path):
     from bench.cpu_precision import main
 

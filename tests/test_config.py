@@ -24,6 +24,7 @@ TRL_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "
         ({"episode_stats": "episodes"}, "episode_stats='episodes' is not one of"),
         ({"loss_type": "grpo"}, "loss_type='grpo' normalizes per row or per micro-batch"),
         ({"max_env_steps": 0}, "max_env_steps=0 must be >= 1"),
+        ({"env_reset_attempts": 0}, "env_reset_attempts=0 must be >= 1"),
         ({"similarity_threshold": 1.5}, "similarity_threshold=1.5"),
         ({"step_advantage_lambda": 1.2}, r"step_advantage_lambda=1.2 must be a number in \[0, 1\]"),
         ({"step_advantage_lambda": float("nan")}, r"step_advantage_lambda=nan must be a number in \[0, 1\]"),

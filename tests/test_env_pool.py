@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import re
 import warnings
 
 import pytest
-from toy_envs import Corridor, FailingReset, FragileCorridor, UnseededCorridor
+from toy_envs import Corridor, FailingReset, FailsToStart, FragileCorridor, UnseededCorridor
 
 from gigpo_trl.env_pool import INFO_ENV_ERROR, EnvironmentFailureWarning, EnvPool, GroupStartMismatchWarning
 from gigpo_trl.tasks import Task
@@ -75,6 +76,37 @@ def test_a_failing_reset_comes_back_truncated():
     assert all(o.truncated and "environment raised OSError: game file missing" in o.info[INFO_ENV_ERROR] for o in outputs)
 
 
+@pytest.mark.parametrize("processes", [True, False])
+def test_a_reset_that_fails_at_first_is_tried_again_on_a_fresh_environment_and_the_copy_plays(tmp_path, processes):
+    env_fn = functools.partial(FailsToStart, tmp_path, {5: 2})  # seed 5 fails its first two starts
+    with EnvPool(env_fn, num_groups=2, group_size=2, processes=processes, name="flaky") as pool:
+        with pytest.warns(EnvironmentFailureWarning) as caught:
+            outputs = pool.reset([Task(seed=5), Task(seed=6)])
+        stepped = pool.step({0: "right", 1: "right"})
+
+    assert not any(INFO_ENV_ERROR in output.info for output in outputs)
+    assert [output.anchor for output in outputs] == [(4, 0)] * 2 + [(5, 0)] * 2  # every copy at its task's start
+    assert [stepped[i].anchor for i in (0, 1)] == [(4, 1)] * 2
+    assert [str(warning.message) for warning in caught] == [
+        f"environment 'flaky' #0 failed and its reset is tried again (attempt {attempt + 1} of 3): environment raised "
+        f"OSError: the engine of seed 5 did not start (attempt {attempt})"
+        + ("; environment restarted" if processes else "") for attempt in (1, 2)]
+    assert pool.num_restarts == 2 and (tmp_path / "seed-5").read_text() == "..." + "."  # 3 starts of copy 0, 1 of copy 1
+
+
+def test_a_copy_that_fails_every_reset_attempt_comes_back_truncated_with_the_reason(tmp_path):
+    with EnvPool(functools.partial(FailsToStart, tmp_path, {5: -1}), num_groups=2, group_size=2,
+                 reset_attempts=2) as pool, pytest.warns(EnvironmentFailureWarning):
+        outputs = pool.reset([Task(seed=6), Task(seed=5)])
+
+    assert [output.anchor for output in outputs[:2]] == [(5, 0)] * 2 and INFO_ENV_ERROR not in outputs[0].info
+    for failed in outputs[2:]:
+        assert failed.truncated and failed.info[INFO_ENV_ERROR].startswith(
+            "environment raised OSError: the engine of seed 5 did not start (attempt ")
+        assert failed.info[INFO_ENV_ERROR].endswith("; environment restarted (the reset failed all 2 attempts)")
+    assert len((tmp_path / "seed-5").read_text()) == 4  # 2 copies x 2 attempts: bounded
+
+
 def test_copies_that_start_differently_give_a_loud_warning_naming_the_environment():
     with EnvPool(UnseededCorridor, num_groups=1, group_size=8, name="unseeded-corridor") as pool:
         with pytest.warns(GroupStartMismatchWarning, match="'unseeded-corridor'.*task 0 \\(seed 5.*different states"):
@@ -102,6 +134,7 @@ def test_in_process_pool_catches_exceptions_and_non_finite_rewards(action, error
     [
         (lambda: EnvPool(Corridor, num_groups=0, group_size=2), "num_groups and group_size must be >= 1"),
         (lambda: EnvPool(Corridor, num_groups=1, group_size=2, step_timeout=0), "timeouts must be > 0"),
+        (lambda: EnvPool(Corridor, num_groups=1, group_size=2, reset_attempts=0), "reset_attempts must be >= 1, got 0"),
     ],
 )
 def test_bad_pool_arguments(call, message):

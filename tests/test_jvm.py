@@ -127,7 +127,7 @@ def test_a_pool_reports_a_jvm_that_never_starts_as_its_environment_s_error(warni
         assert error.startswith(f"environment raised RuntimeError: TextWorldExpress's JVM did not start in "
                                 f"{START_ATTEMPTS} attempts")
         assert len(re.findall(rf"attempt \d: {BAD_PORT_LINE}", error)) == START_ATTEMPTS
-        assert error.endswith("environment restarted")
+        assert error.endswith(f"environment restarted (the reset failed all {pool.reset_attempts} attempts)")
 
 
 def test_a_start_that_fails_once_is_tried_again_with_the_reason_in_a_warning(warning_on_stdout):

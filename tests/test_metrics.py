@@ -3,17 +3,18 @@ the completion logs, and the singleton warning."""
 
 from __future__ import annotations
 
+import functools
 import time
 
 import numpy as np
 import pytest
 from scripted_policy import ScriptedTrainer
-from toy_envs import Corridor
+from toy_envs import Corridor, FailsToStart
 from trainer_helpers import cpu_config, settings_config
 
 from gigpo_trl.advantages import compute_gigpo_advantages
 from gigpo_trl.env_pool import EnvPool
-from gigpo_trl.metrics import PanelEpisode, RolloutSummary, RolloutTimes, panel_metrics, rollout_metrics
+from gigpo_trl.metrics import PanelEpisode, RolloutSummary, RolloutTimes, panel_metrics, panel_tasks, rollout_metrics
 from gigpo_trl.rollout import Completion, collect_rollout
 from gigpo_trl.tasks import Task, task_dataset
 from gigpo_trl.trainer import GiGPOTrainer
@@ -205,3 +206,22 @@ def test_a_rollout_where_no_environment_says_has_no_success_rate_rather_than_zer
     assert [(e.episode_return, e.won) for e in episodes] == [(1.0, None), (0.0, None)]
     assert metrics["env/return_mean"] == panel["env/return_mean"] == 0.5
     assert [name for name in (*metrics, *panel) if "success_rate" in name] == []
+
+
+def test_a_panel_task_that_could_not_start_is_named_and_counts_in_no_figure(tmp_path):
+    # Corridors of 3 (seed 0) and 4 cells, walked right 3 times: won in 2 and 3 steps. Seed 7's first copy fails its
+    # only reset attempt; its second copy starts (and plays), but the task was not played whole.
+    env_fn = functools.partial(FailsToStart, tmp_path, {7: 1})
+    with EnvPool(env_fn, num_groups=3, group_size=2, processes=False, reset_attempts=1) as pool:
+        rollout = collect_rollout(pool, [Task(0), Task(7), Task(0, {"length": 4})], walk_right, max_env_steps=3,
+                                  show_progress=False)
+    episodes = [PanelEpisode.of(episode, group_size=2) for episode in rollout.episodes]
+
+    played, unplayed = panel_tasks(episodes)
+    assert played == ["seed 0", 'seed 0, options {"length": 4}']
+    assert unplayed == {"seed 7": "environment raised OSError: the engine of seed 7 did not start (attempt 1)"}
+    panel = panel_metrics(episodes)
+    assert panel["env/panel_tasks"] == 3 and panel["env/panel_unplayed"] == 1
+    # Over the 4 copies of the 2 tasks played; seed 7's copy that did play counts neither.
+    assert panel["env/success_rate"] == 1.0 and panel["env/episode_length_mean"] == 2.5
+    assert panel_metrics([episodes[2]]) == {"env/panel_tasks": 1, "env/panel_unplayed": 1}  # nothing played

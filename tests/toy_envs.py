@@ -7,6 +7,7 @@ import os
 import random
 import string
 import time
+from pathlib import Path
 
 import gymnasium
 
@@ -62,6 +63,24 @@ class FragileCorridor(Corridor):
 class FailingReset(Corridor):
     def reset(self, *, seed=None, options=None):
         raise OSError("game file missing")
+
+
+class FailsToStart(Corridor):
+    """A corridor whose reset fails the first `failures[seed]` times a seed is started (-1: every time), as an engine
+    that cannot start under load. Starts are counted in `attempts_dir`, so that the count outlives the environment
+    (the pool replaces a failed one with a fresh environment in a fresh process)."""
+
+    def __init__(self, attempts_dir, failures):
+        self.attempts_dir, self.failures = Path(attempts_dir), failures
+
+    def reset(self, *, seed=None, options=None):
+        with open(self.attempts_dir / f"seed-{seed}", "a+") as starts:
+            starts.write(".")
+            attempt = starts.tell()
+        failures = self.failures.get(seed, 0)
+        if failures < 0 or attempt <= failures:
+            raise OSError(f"the engine of seed {seed} did not start (attempt {attempt})")
+        return super().reset(seed=seed, options=options)
 
 
 class UnseededCorridor(Corridor):
