@@ -59,7 +59,8 @@ class RolloutSummary:
     env_errors: int
     task_groups: int
     equal_return_groups: int  # task groups whose copies all got the same return: no episode advantage
-    group_return_std_sum: float  # summed over task groups: the std (ddof 1; 0 for one copy) of its copies' returns
+    spread_groups: int  # task groups of two trajectories or more
+    group_return_std_sum: float  # summed over those: the std (ddof 1) of their trajectories' returns
     steps: int
     invalid: int
     reward_sum: float
@@ -109,8 +110,8 @@ class RolloutSummary:
             env_errors=sum(e.env_error is not None for e in episodes),
             task_groups=len(returns_by_group),
             equal_return_groups=sum(bool(np.isclose(np.std(group), 0.0)) for group in returns_by_group.values()),
-            group_return_std_sum=sum(statistics.stdev(group) if len(group) > 1 else 0.0
-                                     for group in returns_by_group.values()),
+            spread_groups=sum(len(group) > 1 for group in returns_by_group.values()),
+            group_return_std_sum=sum(statistics.stdev(group) for group in returns_by_group.values() if len(group) > 1),
             steps=len(steps),
             invalid=steps.valid.count(False),
             reward_sum=float(rewards.sum()),
@@ -154,7 +155,6 @@ def rollout_metrics(summaries: Sequence[RolloutSummary], update_seconds: float |
         **_success_rate(total("won"), total("success_known")),
         "env/return_mean": total("return_sum") / max(episodes, 1),
         "env/return_std": _bessel_std(total("return_sum"), total("return_squares"), episodes),
-        "env/group_return_std": total("group_return_std_sum") / max(total("task_groups"), 1),
         "env/episode_length_mean": total("length_sum") / max(episodes, 1),
         "env/truncated_share": total("truncated") / max(episodes, 1),
         "env/env_error_share": total("env_errors") / max(episodes, 1),
@@ -178,6 +178,8 @@ def rollout_metrics(summaries: Sequence[RolloutSummary], update_seconds: float |
         "reward_std": _bessel_std(total("reward_sum"), total("reward_squares"), steps),
         "frac_reward_zero_std": total("equal_return_groups") / max(total("task_groups"), 1),
     }
+    if total("spread_groups"):  # a group of one trajectory (one copy: evaluation's default) has no spread
+        metrics["env/group_return_std"] = total("group_return_std_sum") / total("spread_groups")
     if update_seconds is not None:
         metrics["timing/update_s"] = update_seconds
     if summaries[0].sampling is not None:

@@ -196,6 +196,12 @@ def test_the_in_group_return_std_is_the_mean_over_task_groups_of_each_group_s_sp
 
     assert [e.episode_return for e in rollout.episodes] == [1.0, 0.0, 0.0, 0.0]  # a win in the short corridor only
     assert logged_metrics(rollout)["env/group_return_std"] == pytest.approx((0.5**0.5 + 0.0) / 2)
+    # One copy per task (evaluation's default): no group has a spread, and none is logged rather than 0.
+    with EnvPool(Corridor, num_groups=2, group_size=1, processes=False) as pool:
+        single = collect_rollout(pool, [Task(seed=0, options={"length": 3}), Task(seed=1, options={"length": 9})],
+                                 first_copy_explores, max_env_steps=3, show_progress=False)
+    assert [e.episode_return for e in single.episodes] == [1.0, 0.0]
+    assert "env/group_return_std" not in logged_metrics(single)
 
 
 def test_a_uniformly_random_walk_on_the_rooms_revisits_often_but_below_the_warning_s_threshold():
