@@ -34,7 +34,7 @@ from dataclasses import dataclass, fields
 # The loop warning: the revisit share at or above LOOP_REVISIT_SHARE while the policy's entropy has fallen to at most
 # LOOP_ENTROPY_FALL times its value at the start of the run (the mean of its first ENTROPY_BASELINE_LOGS logged
 # training steps). A back-and-forth over T steps revisits (T - 1) / T of them (0.9 over 10); a uniformly random walk
-# on a line of rooms about 0.64 (0.76 with idle actions), high too but with a high entropy (docs/metrics.md). Once,
+# on a line of rooms about 0.63 (0.76 with idle actions), high too but with a high entropy (docs/metrics.md). Once,
 # and again each time it worsens: the revisit share up by LOOP_WORSENING since the last warning, or the entropy down
 # by LOOP_ENTROPY_FALL again.
 LOOP_REVISIT_SHARE = 0.8

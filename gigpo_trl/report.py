@@ -56,7 +56,8 @@ DYNAMIC_SAMPLING_CAPTION = ("dynamic_sampling.png", "Dynamic sampling: the task 
 # In the success plot of a run whose environment does not say whether a task is won (no success rate is logged).
 SUCCESS_NOT_REPORTED = "not reported:\nthe environment does not say\nwhether a task is won (info[\"won\"])"
 # In the loop plot of a run whose anchors are not states (info["anchor_kind"] "history": no loop metric is logged).
-LOOPS_NOT_APPLICABLE = "not applicable:\nthe environment's anchors are\nhistories, not states\n(info[\"anchor_kind\"])"
+LOOPS_NOT_APPLICABLE = ("not applicable:\nthe environment's anchors are\nhistories, not states\n(info[\"anchor_kind\"]; or "
+                        "records\nwritten before loops/* were)")
 
 # The metrics of the table at the top of the page, with what they mean.
 KEY_METRICS = {

@@ -204,18 +204,23 @@ def test_the_in_group_return_std_is_the_mean_over_task_groups_of_each_group_s_sp
     assert "env/group_return_std" not in logged_metrics(single)
 
 
-def test_a_uniformly_random_walk_on_the_rooms_revisits_often_but_below_the_warning_s_threshold():
+@pytest.mark.parametrize(("idle_actions", "low", "high"), [(0, 0.55, 0.7), (2, 0.7, LOOP_REVISIT_SHARE)])
+def test_a_uniformly_random_walk_on_the_rooms_revisits_often_but_below_the_warning_s_threshold(idle_actions, low, high):
+    """128 episodes of 12 steps on 9 rooms: about 0.63 of the steps revisit with the two moves, 0.76 with two idle
+    actions too (docs/metrics.md quotes these): high, but the entropy tells such a walk from a loop."""
     rng = random.Random(0)
+    actions = ["go west", "go east", "wait", "look around"][: 2 + idle_actions]
 
     def uniform(prompts, tools):
-        return [Completion([1], [4], f"<action>{rng.choice(['go west', 'go east'])}</action>") for _ in prompts]
+        return [Completion([1], [4], f"<action>{rng.choice(actions)}</action>") for _ in prompts]
 
-    with EnvPool(lambda: RoomsEnv(num_rooms=9), num_groups=32, group_size=4, processes=False) as pool:
+    with EnvPool(lambda: RoomsEnv(num_rooms=9, idle_actions=idle_actions), num_groups=32, group_size=4,
+                 processes=False) as pool:
         rollout = collect_rollout(pool, [Task(seed) for seed in range(32)], uniform, max_env_steps=12,
                                   show_progress=False)
     counts = LoopCounts.of(figures for figures in rollout.loops())
 
-    assert 0.55 < counts.revisits / counts.steps < LOOP_REVISIT_SHARE  # about 0.64: the entropy tells it from a loop
+    assert low < counts.revisits / counts.steps < high
 
 
 class HistoryCorridor(Corridor):
