@@ -46,8 +46,8 @@ LOOP_WARNING = (
     "(loops/revisit_share) while its entropy fell from {start_entropy:.3g} to {entropy:.3g}. A policy that has become deterministic repeats itself "
     "where it cannot tell where it came from (RAGEN's Echo Trap). What to change: show it its past steps "
     "(history_length), sample more widely (temperature), reward entropy (entropy_coef), clip less on the way up "
-    "(epsilon_high), and train on groups with a signal only (dynamic_sampling_max_rounds: groups whose returns are "
-    "all equal are dropped)."
+    "(epsilon_high), and train on the groups with a signal (dynamic_sampling_max_rounds, which drops the groups whose "
+    "returns are all equal, or reward_std_filter_ratio, which keeps those whose returns spread most)."
 )
 
 

@@ -365,7 +365,8 @@ def test_the_loop_warning_is_given_once_and_again_when_the_loop_worsens_naming_w
     assert [len(messages) for messages in said] == [0, 0, 0, 0, 1, 0, 0, 1, 0, 1]
     message = said[4][0]
     assert "85%" in message and "from 1 to 0.4" in message
-    for knob in ("history_length", "temperature", "entropy_coef", "epsilon_high", "dynamic_sampling_max_rounds"):
+    for knob in ("history_length", "temperature", "entropy_coef", "epsilon_high", "dynamic_sampling_max_rounds",
+                 "reward_std_filter_ratio"):
         assert knob in message
     assert len(read_updates(tmp_path)) == 10 and read_updates(tmp_path)[4]["metrics"]["entropy"] == 0.4
 
