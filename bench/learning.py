@@ -446,7 +446,8 @@ def curves(runs: dict[tuple[str, int], Path], hint_steps: dict[tuple[str, int], 
     """One row per (method, seed, rollout): step, mode, success rate, return, step-group statistics, timings, the
     step samples the rollout played and those its update left out, the invalid-answer rate, the share of task groups
     whose copies all got the same return and of the update's samples with a nonzero advantage, and, where the
-    rollout's trajectories were logged, their `two_step_loop_share`."""
+    rollout's trajectories were logged, their `two_step_loop_share`; the logged loop metrics (`loops/*`) and in-group
+    return std."""
     rows = []
     for (method, seed), output_dir in runs.items():
         if not (output_dir / "gigpo" / "iterations.jsonl").is_file():  # not started yet, or failed at once
@@ -475,6 +476,11 @@ def curves(runs: dict[tuple[str, int], Path], hint_steps: dict[tuple[str, int], 
                 "equal_return_groups": metrics.get("frac_reward_zero_std", float("nan")),
                 "nonzero_advantage_share": metrics.get("gigpo/nonzero_advantage_share", float("nan")),
                 "two_step_loop_share": loops.get(f"{record['mode']}-{record['rollout']:05d}", float("nan")),
+                # Exact, from the anchors of every episode (docs/metrics.md "Loops"); absent where the anchors are not
+                # states, and in records written before they were logged.
+                **{name: metrics.get(f"loops/{name}", float("nan"))
+                   for name in ("revisit_share", "reversal_share", "cycle_end_share", "distinct_states_mean")},
+                "group_return_std": metrics.get("env/group_return_std", float("nan")),
             })
     return rows
 
@@ -572,7 +578,7 @@ def summary(rows: list[dict], seeds: list[int], arms: Sequence[str], panels: Pan
         }
         last = max(r["step"] for r in mine)
         for field in ("draught_following", "entropy", "singleton_share", "step_group_size_mean", "equal_return_groups",
-                      "nonzero_advantage_share", "two_step_loop_share"):
+                      "nonzero_advantage_share", "two_step_loop_share", "revisit_share", "reversal_share"):
             if not all(np.isnan(r[field]) for r in mine):
                 result.setdefault(f"{field}_first_last_20", {})[method] = {
                     "first_20_iterations": float(np.nanmean([r[field] for r in mine if r["step"] < 20])),

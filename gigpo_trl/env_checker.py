@@ -12,7 +12,9 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
-from gigpo_trl.envs import INFO_ADMISSIBLE_ACTIONS, INFO_ANCHOR, INFO_TASK, INFO_WON, TextEnv, anchor_of
+from gigpo_trl.envs import (
+    ANCHOR_KINDS, INFO_ADMISSIBLE_ACTIONS, INFO_ANCHOR, INFO_ANCHOR_KIND, INFO_TASK, INFO_WON, TextEnv, anchor_of,
+)
 
 
 class EnvCheckError(ValueError):
@@ -124,6 +126,8 @@ def _check_observation_and_info(observation: Any, info: Any, where: str) -> None
         raise EnvCheckError(f"{where}: info['won'] must be a bool, got {info[INFO_WON]!r}")
     if INFO_TASK in info and not isinstance(info[INFO_TASK], str):
         raise EnvCheckError(f"{where}: info['task'] must be a str, got {type(info[INFO_TASK]).__name__}")
+    if INFO_ANCHOR_KIND in info and info[INFO_ANCHOR_KIND] not in ANCHOR_KINDS:
+        raise EnvCheckError(f"{where}: info['anchor_kind'] must be one of {ANCHOR_KINDS}, got {info[INFO_ANCHOR_KIND]!r}")
 
 
 def _is_bool(value: Any) -> bool:

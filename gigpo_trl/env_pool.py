@@ -26,7 +26,7 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from gigpo_trl.envs import TextEnv, anchor_of
+from gigpo_trl.envs import ANCHOR_KINDS, INFO_ANCHOR_KIND, TextEnv, anchor_of
 from gigpo_trl.tasks import Task
 
 INFO_ENV_ERROR = "env_error"
@@ -248,6 +248,10 @@ class EnvPool:
             if unhashable:
                 raise TypeError(f"environment {self.name!r}: info['anchor'] must be hashable (a str, a tuple, ...), "
                                 f"got a {type(unhashable[0]).__name__}: {unhashable[0]!r}")
+            kinds = {output.info[INFO_ANCHOR_KIND] for output in copies if INFO_ANCHOR_KIND in output.info}
+            if kinds - set(ANCHOR_KINDS):
+                raise ValueError(f"environment {self.name!r}: info['anchor_kind'] must be one of {ANCHOR_KINDS}, got "
+                                 f"{sorted(map(repr, kinds - set(ANCHOR_KINDS)))}")
             distinct = len(set(anchors))
             if distinct > 1:
                 warnings.warn(

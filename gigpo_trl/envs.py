@@ -16,6 +16,9 @@ whose observations and actions are strings plugs in unchanged:
                          gives it logs no success rate: unknown, not 0)
     `task`               str, the goal text
     `task_type`          str, the kind of task (evaluation reports success per type)
+    `anchor_kind`        on reset: "state" (the default) or "history", for an anchor that is the history of the
+                         episode's actions rather than the state they led to (it never repeats within an episode,
+                         so the loop metrics, `loops/*`, are left out rather than reported as 0)
 
 An environment may also give `walkthrough`: the actions that win the current task when played from its start
 (an expert's solution, e.g. for a supervised warm start or a test that the game can be won).
@@ -42,6 +45,8 @@ INFO_ADMISSIBLE_ACTIONS = "admissible_actions"
 INFO_WON = "won"
 INFO_TASK = "task"
 INFO_TASK_TYPE = "task_type"
+INFO_ANCHOR_KIND = "anchor_kind"
+ANCHOR_KINDS = ("state", "history")
 
 
 @runtime_checkable

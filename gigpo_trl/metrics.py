@@ -1,7 +1,7 @@
 """The metrics a GiGPO run logs, as pure functions of what the rollouts and evaluations produced.
 
 A process summarizes its own rollout (`RolloutSummary.of`); the trainer gathers the summaries of all processes and
-`rollout_metrics` turns them into the logged numbers (`env/*`, `gigpo/*`, `timing/*`, `dynamic_sampling/*`,
+`rollout_metrics` turns them into the logged numbers (`env/*`, `gigpo/*`, `loops/*`, `timing/*`, `dynamic_sampling/*`,
 `reward_std_filter/*`, TRL's `reward`, ...), so a metric means the same on one process and on many. Evaluations count
 every held-out (task, copy) once, over the tasks they could play (`panel_metrics`, `panel_tasks`), and the loss's
 per-row metrics leave the lock-step padding rows out (`padding_free_row_metrics`; a micro-batch run in several passes
@@ -11,6 +11,7 @@ logs one value, `merged_pass_metrics`). No torch and no trainer state here.
 from __future__ import annotations
 
 import json
+import statistics
 from collections import defaultdict
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
@@ -19,8 +20,11 @@ import numpy as np
 
 from gigpo_trl.advantages import GiGPOAdvantages, StepGroupStats
 from gigpo_trl.dynamic_sampling import SamplingCounts, StdFilterCounts
+from gigpo_trl.loops import EpisodeLoops, LoopCounts
 from gigpo_trl.rollout import Episode, Rollout
 
+# `grad_norm/spike`: a training step's gradient norm over the median of the last this many logged before it.
+GRAD_NORM_SPIKE_WINDOW = 20
 # Above this share of singleton step groups, step advantages are almost all 0: GiGPO ~ GRPO.
 SINGLETON_WARNING_SHARE = 0.9
 SINGLETON_WARNING = (
@@ -55,6 +59,8 @@ class RolloutSummary:
     env_errors: int
     task_groups: int
     equal_return_groups: int  # task groups whose copies all got the same return: no episode advantage
+    spread_groups: int  # task groups of two trajectories or more
+    group_return_std_sum: float  # summed over those: the std (ddof 1) of their trajectories' returns
     steps: int
     invalid: int
     reward_sum: float
@@ -70,6 +76,7 @@ class RolloutSummary:
     step_groups: StepGroupStats
     sampling: SamplingCounts | None  # what dynamic sampling did (None: off)
     std_filter: StdFilterCounts | None  # what reward-std filtering did, over all processes (None: off)
+    loops: LoopCounts | None  # revisits and cycles (None: no episode's anchors are states)
 
     @classmethod
     def of(cls, rollout: Rollout, gigpo: GiGPOAdvantages, times: RolloutTimes, *, max_completion_length: int,
@@ -91,6 +98,7 @@ class RolloutSummary:
         returns_by_group: dict[int, list[float]] = defaultdict(list)
         for episode in episodes:
             returns_by_group[episode.group].append(episode.episode_return)
+        loops = [figures for figures in rollout.loops() if figures is not None]
         return cls(
             episodes=len(episodes),
             won=sum(e.won is True for e in episodes),
@@ -102,6 +110,8 @@ class RolloutSummary:
             env_errors=sum(e.env_error is not None for e in episodes),
             task_groups=len(returns_by_group),
             equal_return_groups=sum(bool(np.isclose(np.std(group), 0.0)) for group in returns_by_group.values()),
+            spread_groups=sum(len(group) > 1 for group in returns_by_group.values()),
+            group_return_std_sum=sum(statistics.stdev(group) for group in returns_by_group.values() if len(group) > 1),
             steps=len(steps),
             invalid=steps.valid.count(False),
             reward_sum=float(rewards.sum()),
@@ -118,6 +128,7 @@ class RolloutSummary:
             step_groups=gigpo.stats,
             sampling=sampling,
             std_filter=std_filter,
+            loops=LoopCounts.of(loops) if loops else None,
         )
 
 
@@ -167,13 +178,28 @@ def rollout_metrics(summaries: Sequence[RolloutSummary], update_seconds: float |
         "reward_std": _bessel_std(total("reward_sum"), total("reward_squares"), steps),
         "frac_reward_zero_std": total("equal_return_groups") / max(total("task_groups"), 1),
     }
+    if total("spread_groups"):  # a group of one trajectory (one copy: evaluation's default) has no spread
+        metrics["env/group_return_std"] = total("group_return_std_sum") / total("spread_groups")
     if update_seconds is not None:
         metrics["timing/update_s"] = update_seconds
     if summaries[0].sampling is not None:
         metrics.update(SamplingCounts.combine([s.sampling for s in summaries]).as_metrics())
     if summaries[0].std_filter is not None:  # over all processes already
         metrics.update(summaries[0].std_filter.as_metrics())
+    loops = [s.loops for s in summaries if s.loops is not None]
+    if loops:
+        metrics.update(LoopCounts.combine(loops).as_metrics())
     return metrics
+
+
+def trailing_ratio(value: float, trailing: Sequence[float]) -> float | None:
+    """`value / median(trailing)`, e.g. a gradient norm over the median of those logged before it
+    (`grad_norm/spike`: about 1 while training is steady, far above at a spike). None without a trailing value or
+    when their median is 0."""
+    if not trailing:
+        return None
+    median = statistics.median(trailing)
+    return value / median if median > 0 else None
 
 
 # GRPOTrainer's loss metrics averaged over rows (not tokens) under importance_sampling_level="sequence"; "vespo/phi_seq_mean"
@@ -239,12 +265,15 @@ class PanelEpisode:
     episode_return: float
     length: int
     unplayed: str | None = None  # why it could not be played: its environment failed before the first action
+    loops: LoopCounts | None = None  # its revisits and cycles (None: its anchors are not states)
 
     @classmethod
-    def of(cls, episode: Episode, group_size: int) -> PanelEpisode:
+    def of(cls, episode: Episode, group_size: int, loops: EpisodeLoops | None = None) -> PanelEpisode:
+        """`loops`: the episode's entry of `Rollout.loops()`."""
         unplayed = episode.env_error if episode.length == 0 else None
         return cls(task_name(episode.seed, episode.options), episode.trajectory % group_size, episode.task_type,
-                   episode.won, episode.episode_return, episode.length, unplayed)
+                   episode.won, episode.episode_return, episode.length, unplayed,
+                   LoopCounts.of([loops]) if loops is not None else None)
 
 
 def task_name(seed: int | None, options: dict | None) -> str:
@@ -266,11 +295,11 @@ def panel_tasks(episodes: Sequence[PanelEpisode]) -> tuple[list[str], dict[str, 
 
 def panel_metrics(episodes: Sequence[PanelEpisode]) -> dict[str, float]:
     """Success rate, mean return and mean episode length over the distinct (task, copy) pairs of the tasks an evaluation
-    played, overall and per task type (`env/success_rate/<type>`), the number of distinct tasks (`env/panel_tasks`)
-    and of those that could not be played (`env/panel_unplayed`, see `panel_tasks`): every figure is over the
-    `env/panel_tasks - env/panel_unplayed` tasks played, so that one that could not start counts neither as a loss nor
-    as an episode of length 0. The success rates count the episodes whose environment said whether they were won, and
-    are left out where none did.
+    played, overall and per task type (`env/success_rate/<type>`), the loop metrics (`loops/*`) of those whose anchors
+    are states, the number of distinct tasks (`env/panel_tasks`) and of those that could not be played
+    (`env/panel_unplayed`, see `panel_tasks`): every figure is over the `env/panel_tasks - env/panel_unplayed` tasks
+    played, so that one that could not start counts neither as a loss nor as an episode of length 0. The success rates
+    count the episodes whose environment said whether they were won, and are left out where none did.
 
     To give every process whole batches, the evaluation dataloader plays some tasks twice when the task count is
     not a multiple of the tasks per step of all processes; the first play of each (task, copy) counts, the others
@@ -293,6 +322,9 @@ def panel_metrics(episodes: Sequence[PanelEpisode]) -> dict[str, float]:
         of_type = [e for e in kept if e.task_type == task_type]
         metrics.update(_success_rate(sum(e.won is True for e in of_type), sum(e.won is not None for e in of_type),
                                      name=f"env/success_rate/{task_type}"))
+    loops = [e.loops for e in kept if e.loops is not None]
+    if loops:
+        metrics.update(LoopCounts.combine(loops).as_metrics())
     return metrics
 
 

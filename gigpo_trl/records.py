@@ -10,10 +10,15 @@
                                   "env/panel_tasks": float, "env/panel_unplayed": float},
          "tasks": [the names of the tasks played, "seed 7", ...],
          "unplayed": {name of a task that could not be played: why}}   (the metrics are over the tasks played)
+    OUTPUT_DIR/gigpo/updates.jsonl               one JSON object per logged training step (`UPDATE_METRICS`):
+        {"step": int, "metrics": {"loss": float, "entropy": float, "grad_norm": float, "grad_norm/spike": float, ...}}
     OUTPUT_DIR/gigpo/trajectories/{mode}-{rollout:05d}.json   sample episodes of that rollout:
         [{"group", "trajectory", "seed", "length", "return", "won" (null: the environment did not say), "truncated",
-          "env_error", "steps": [{"step", "observation", "completion", "action", "valid", "reward",
-                                  "step_group_size", "episode_advantage", "step_advantage", "advantage"}]}]
+          "env_error", "ends_in_cycle", "distinct_states",
+          "steps": [{"step", "observation", "completion", "action", "valid", "reward", "step_group_size",
+                     "episode_advantage", "step_advantage", "advantage", "next_state", "revisit", "reversal"}]}]
+        The loop fields (`gigpo_trl.loops.EpisodeLoops`) are null where unknown or not counted, and everywhere in an
+        episode whose anchors are not states.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ from gigpo_trl.rollout import Rollout
 # values outside the range are counted in the outer bins.
 ADVANTAGE_BINS = np.linspace(-4.125, 4.125, 34)
 RECORDS_DIR = "gigpo"
+# What TRL logs of a training step that the report draws (those logged; `grad_norm/spike` is GiGPOTrainer's).
+UPDATE_METRICS = ("loss", "entropy", "grad_norm", "grad_norm/spike", "learning_rate")
 
 
 def iteration_record(step: int, mode: str, rollout: int, metrics: dict[str, float],
@@ -54,10 +61,10 @@ def iteration_record(step: int, mode: str, rollout: int, metrics: dict[str, floa
 
 
 def episode_records(rollout: Rollout, gigpo: GiGPOAdvantages, limit: int) -> list[dict[str, Any]]:
-    """The first `limit` episodes of a rollout with their steps and advantages, for the trajectory viewer."""
+    """The first `limit` episodes of a rollout with their steps, advantages and loops, for the trajectory viewer."""
     samples = rollout.steps
     records = []
-    for episode in rollout.episodes[:limit]:
+    for episode, loops in zip(rollout.episodes[:limit], rollout.loops()):
         steps = [
             {
                 "step": samples.step[row], "observation": samples.observation[row],
@@ -65,13 +72,16 @@ def episode_records(rollout: Rollout, gigpo: GiGPOAdvantages, limit: int) -> lis
                 "reward": samples.reward[row], "step_group_size": int(gigpo.step_group_sizes[row]),
                 "episode_advantage": float(gigpo.episode_advantages[row]),
                 "step_advantage": float(gigpo.step_advantages[row]), "advantage": float(gigpo.advantages[row]),
+                "next_state": loops.next_state[t] if loops else None, "revisit": loops.revisit[t] if loops else None,
+                "reversal": loops.reversal[t] if loops else None,
             }
-            for row in samples.rows_of(episode.trajectory)
+            for t, row in enumerate(samples.rows_of(episode.trajectory))
         ]
         records.append({
             "group": episode.group, "trajectory": episode.trajectory, "seed": episode.seed, "length": episode.length,
             "return": episode.episode_return, "won": episode.won, "truncated": episode.truncated,
-            "env_error": episode.env_error, "steps": steps,
+            "env_error": episode.env_error, "ends_in_cycle": loops.ends_in_cycle if loops else None,
+            "distinct_states": loops.distinct_states if loops else None, "steps": steps,
         })
     return records
 
@@ -92,16 +102,34 @@ def write_evaluation(output_dir: str | Path, step: int, metrics: dict[str, float
                      unplayed: dict[str, str]) -> None:
     """Append the record of one evaluation (`GiGPOTrainer.evaluate`) at training step `step`: its metrics, the tasks it
     played and those it could not play, with why (`gigpo_trl.metrics.panel_tasks`)."""
-    directory = Path(output_dir) / RECORDS_DIR
-    directory.mkdir(parents=True, exist_ok=True)
-    record = {"step": step, "metrics": metrics, "tasks": list(tasks), "unplayed": unplayed}
-    with open(directory / "evaluations.jsonl", "a") as file:
-        file.write(json.dumps(record) + "\n")
+    _append(output_dir, "evaluations.jsonl", {"step": step, "metrics": metrics, "tasks": list(tasks), "unplayed": unplayed})
 
 
 def read_evaluations(output_dir: str | Path) -> list[dict[str, Any]]:
     """The evaluation records of a run, in order (none when it was never evaluated)."""
-    path = Path(output_dir) / RECORDS_DIR / "evaluations.jsonl"
+    return _read(output_dir, "evaluations.jsonl")
+
+
+def write_update(output_dir: str | Path, step: int, logs: dict[str, float]) -> None:
+    """Append the record of one logged training step: the `UPDATE_METRICS` of its log, those logged."""
+    metrics = {name: float(logs[name]) for name in UPDATE_METRICS if logs.get(name) is not None}
+    _append(output_dir, "updates.jsonl", {"step": step, "metrics": metrics})
+
+
+def read_updates(output_dir: str | Path) -> list[dict[str, Any]]:
+    """The records of a run's logged training steps, in order (none in a run recorded before they were written)."""
+    return _read(output_dir, "updates.jsonl")
+
+
+def _append(output_dir: str | Path, name: str, record: dict[str, Any]) -> None:
+    directory = Path(output_dir) / RECORDS_DIR
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / name, "a") as file:
+        file.write(json.dumps(record) + "\n")
+
+
+def _read(output_dir: str | Path, name: str) -> list[dict[str, Any]]:
+    path = Path(output_dir) / RECORDS_DIR / name
     return _complete_records(path) if path.is_file() else []
 
 

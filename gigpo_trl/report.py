@@ -22,7 +22,8 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 from transformers import TrainerCallback
 
-from gigpo_trl.records import RECORDS_DIR, read_evaluations, read_iterations, read_trajectories
+from gigpo_trl.metrics import GRAD_NORM_SPIKE_WINDOW
+from gigpo_trl.records import RECORDS_DIR, read_evaluations, read_iterations, read_trajectories, read_updates
 
 REPORT_DIR = "report"
 # Sample episodes can be long (8 episodes x max_env_steps steps per rollout): the page shows those of
@@ -35,7 +36,16 @@ PLOT_CAPTIONS = {
     "outcomes.png": "Success rate, mean return and mean episode length of every rollout.",
     "step_groups.png": "Step groups: the states that several copies of a task reached, whose steps GiGPO compares.",
     "advantages.png": "Distributions of the episode advantage A_E and of the step advantage A_S over step samples.",
+    "loops.png": "Loops, counted from the anchors: the share of steps that go back to a state their episode had "
+                 "visited, of immediate reversals (back to the state of two steps before), of episodes cut off inside "
+                 "a cycle, and the distinct states per episode (docs/metrics.md). Not applicable where the "
+                 "environment's anchors are histories, not states.",
 }
+# Drawn when the run recorded its training steps' logs (gigpo/updates.jsonl).
+HEALTH_CAPTION = ("health.png", "Early warnings of a collapse (RAGEN's): the policy entropy and the gradient norm of "
+                  "every logged training step, the gradient norm over the median of the "
+                  f"{GRAD_NORM_SPIKE_WINDOW} logged before it (a spike stands far above 1), and the mean over task "
+                  "groups of the standard deviation of their copies' returns (no signal at 0).")
 # Drawn when the run was evaluated (GiGPOTrainer.evaluate) and its environment says whether a task is won.
 PANEL_CAPTION = ("panel.png", "Held-out success rate of every evaluation, each task counted once: overall and per task "
                  "type (info[\"task_type\"]).")
@@ -45,6 +55,9 @@ DYNAMIC_SAMPLING_CAPTION = ("dynamic_sampling.png", "Dynamic sampling: the task 
                             "rounds, and the rollout time they cost.")
 # In the success plot of a run whose environment does not say whether a task is won (no success rate is logged).
 SUCCESS_NOT_REPORTED = "not reported:\nthe environment does not say\nwhether a task is won (info[\"won\"])"
+# In the loop plot of a run whose anchors are not states (info["anchor_kind"] "history": no loop metric is logged).
+LOOPS_NOT_APPLICABLE = ("not applicable:\nthe environment's anchors are\nhistories, not states\n(info[\"anchor_kind\"]; or "
+                        "records\nwritten before loops/* were)")
 
 # The metrics of the table at the top of the page, with what they mean.
 KEY_METRICS = {
@@ -54,6 +67,11 @@ KEY_METRICS = {
     "env/truncated_share": "share of episodes cut off (step limit or environment failure)",
     "env/env_error_share": "share of episodes ended by an environment error",
     "env/invalid_action_rate": "share of answers without a well-formed <action> block",
+    "env/group_return_std": "mean over task groups of the standard deviation of their copies' returns",
+    "loops/revisit_share": "share of steps that go back to a state their episode had visited",
+    "loops/reversal_share": "share of steps back to the state of two steps before",
+    "loops/cycle_end_share": "share of episodes cut off inside a cycle",
+    "loops/distinct_states_mean": "distinct states per episode",
     "env/step_samples": "step samples (one per environment step)",
     "gigpo/step_group_size_mean": "mean step-group size (step samples per group of equal states)",
     "gigpo/step_group_size_max": "largest step group",
@@ -102,7 +120,12 @@ def write_report(output_dir: str | Path, max_rollouts: int = DEFAULT_ROLLOUTS_SH
     _plot_outcomes(train, evaluation).savefig(report_dir / "outcomes.png", dpi=100)
     _plot_step_groups(train, evaluation).savefig(report_dir / "step_groups.png", dpi=100)
     _plot_advantages(train, evaluation).savefig(report_dir / "advantages.png", dpi=100)
+    _plot_loops(train, evaluation).savefig(report_dir / "loops.png", dpi=100)
     captions = dict(PLOT_CAPTIONS)
+    updates = read_updates(output_dir)
+    if updates:
+        _plot_health(updates, train, evaluation).savefig(report_dir / HEALTH_CAPTION[0], dpi=100)
+        captions[HEALTH_CAPTION[0]] = HEALTH_CAPTION[1]
     evaluations = read_evaluations(output_dir)
     if any("env/success_rate" in record["metrics"] for record in evaluations):
         _plot_panel(evaluations).savefig(report_dir / PANEL_CAPTION[0], dpi=100)
@@ -124,21 +147,62 @@ def write_report(output_dir: str | Path, max_rollouts: int = DEFAULT_ROLLOUTS_SH
 
 
 def _plot_outcomes(train: list[dict[str, Any]], evaluation: list[dict[str, Any]]) -> Figure:
-    figure = Figure(figsize=(20, 4.2), layout="constrained")
     panels = (
         ("env/success_rate", "Success rate", "share of episodes won"),
         ("env/return_mean", "Mean episode return", "return (sum of rewards)"),
         ("env/episode_length_mean", "Mean episode length", "environment steps per episode"),
         ("env/invalid_action_rate", "Invalid answers", "share of answers without <action>...</action>"),
     )
-    for axes, (metric, title, unit) in zip(figure.subplots(1, 4), panels):
-        if metric == "env/success_rate" and not any(metric in record["metrics"] for record in train + evaluation):
-            axes.text(0.5, 0.5, SUCCESS_NOT_REPORTED, ha="center", va="center", transform=axes.transAxes)
+    return _metric_panels(train, evaluation, panels, {"env/success_rate": SUCCESS_NOT_REPORTED}, shares=(0, 3))
+
+
+def _plot_loops(train: list[dict[str, Any]], evaluation: list[dict[str, Any]]) -> Figure:
+    panels = (
+        ("loops/revisit_share", "Revisits", "share of steps back to a visited state"),
+        ("loops/reversal_share", "Immediate reversals", "share of steps back to the state two before"),
+        ("loops/cycle_end_share", "Episodes ending in a cycle", "share of episodes cut off in a visited state"),
+        ("loops/distinct_states_mean", "Distinct states", "states per episode (the start included)"),
+    )
+    applicable = any(name.startswith("loops/") for record in train + evaluation for name in record["metrics"])
+    not_reported = {} if applicable else {metric: LOOPS_NOT_APPLICABLE for metric, _, _ in panels}
+    return _metric_panels(train, evaluation, panels, not_reported, shares=(0, 1, 2))
+
+
+def _metric_panels(train: list[dict[str, Any]], evaluation: list[dict[str, Any]], panels: Sequence[tuple[str, str, str]],
+                   not_reported: dict[str, str], shares: Sequence[int]) -> Figure:
+    """A row of panels, one per (metric, title, unit): the metric against the training step, or the text
+    `not_reported[metric]` where no record holds it; the panels numbered in `shares` on a 0-1 axis."""
+    figure = Figure(figsize=(20, 4.2), layout="constrained")
+    for axes, (metric, title, unit) in zip(figure.subplots(1, len(panels)), panels):
+        if metric in not_reported and not any(metric in record["metrics"] for record in train + evaluation):
+            axes.text(0.5, 0.5, not_reported[metric], ha="center", va="center", transform=axes.transAxes)
         else:
             _plot_metric(axes, train, evaluation, metric)
         axes.set(title=title, xlabel=STEP_AXIS_LABEL, ylabel=unit)
-    for share in (figure.axes[0], figure.axes[3]):
-        share.set_ylim(-0.05, 1.05)
+    for share in shares:
+        figure.axes[share].set_ylim(-0.05, 1.05)
+    return figure
+
+
+def _plot_health(updates: list[dict[str, Any]], train: list[dict[str, Any]], evaluation: list[dict[str, Any]]) -> Figure:
+    """The logged training steps' entropy, gradient norm and its spike ratio; the rollouts' in-group return std."""
+    figure = Figure(figsize=(20, 4.2), layout="constrained")
+    entropy_axes, norm_axes, spike_axes, spread_axes = figure.subplots(1, 4)
+    steps = [record["step"] for record in updates]
+    for axes, metric, title, unit in (
+        (entropy_axes, "entropy", "Policy entropy", "mean per completion token"),
+        (norm_axes, "grad_norm", "Gradient norm", "before clipping"),
+        (spike_axes, "grad_norm/spike", "Gradient-norm spikes", f"over the median of the last {GRAD_NORM_SPIKE_WINDOW}"),
+    ):
+        axes.plot(steps, [record["metrics"].get(metric, np.nan) for record in updates], marker="o", markersize=4,
+                  label="logged training steps")
+        axes.set(title=title, xlabel=STEP_AXIS_LABEL, ylabel=unit)
+        _step_axis(axes, steps)
+        axes.legend()
+    spike_axes.axhline(1.0, color="black", linestyle=":", linewidth=1)
+    _plot_metric(spread_axes, train, evaluation, "env/group_return_std")
+    spread_axes.set(title="Return spread within task groups", xlabel=STEP_AXIS_LABEL,
+                    ylabel="mean std of the copies' returns")
     return figure
 
 
@@ -362,6 +426,8 @@ def _trajectory_viewer(records: list[dict[str, Any]], trajectories: dict[str, li
     return "\n".join([
         "<p>Each rollout lists its sample episodes (the trainer records the first <code>log_trajectories</code> "
         "episodes of every rollout); open an episode to see its steps in order. Rows of invalid answers are shaded; "
+        "the state after each step is numbered in the order the episode first visited it, and a step back to a "
+        "visited state is marked (revisit, reversal); "
         "A = A_E + step_advantage_weight &times; A_S is the advantage of the loss.</p>",
         '<p><button type="button" onclick="setAll(true)">expand all</button> '
         '<button type="button" onclick="setAll(false)">collapse all</button></p>',
@@ -388,11 +454,15 @@ def _episode_details(episode: dict[str, Any]) -> str:
     outcome = [said]
     if episode["truncated"]:
         outcome.append("truncated")
+    if episode.get("ends_in_cycle"):
+        outcome.append("ends in a cycle")
     if episode["env_error"] is not None:
         outcome.append(f"environment error: {_escape(episode['env_error'])}")
+    distinct = episode.get("distinct_states")
     summary = (f"task group {episode['group']} · environment {episode['trajectory']} · seed {_escape(episode['seed'])}"
                f" · return {episode['return']:.3f} · {episode['length']} steps · "
-               f'<span class="{style}">{", ".join(outcome)}</span>')
+               + (f"{distinct} distinct states · " if distinct is not None else "")
+               + f'<span class="{style}">{", ".join(outcome)}</span>')
     header = "".join(
         f'<th title="{_escape(explanation)}">{label}</th>'
         for label, explanation in (
@@ -400,6 +470,9 @@ def _episode_details(episode: dict[str, Any]) -> str:
             ("observation", "what the environment showed before the answer"),
             ("answer", "the model's completion"),
             ("action sent", "what the environment received"),
+            ("state after", "the state the action led to, numbered in the order the episode first visited its states "
+                            "(#0: the start); 'revisit': visited before in the episode; 'reversal': the state of two "
+                            "steps before (docs/metrics.md)"),
             ("valid", "the answer had a well-formed <action> block"),
             ("reward", "r_t, received after the action"),
             ("step group", "how many step samples of the task group were taken in this state"),
@@ -409,15 +482,25 @@ def _episode_details(episode: dict[str, Any]) -> str:
         )
     )
     rows = [
-        f'<tr class="{"valid" if step["valid"] else "invalid"}"><td>{step["step"]}</td>'
+        f'<tr class="{"valid" if step["valid"] else "invalid"}{" revisit" if step.get("revisit") else ""}">'
+        f'<td>{step["step"]}</td>'
         f'<td><pre>{_escape(step["observation"])}</pre></td><td><pre>{_escape(step["completion"])}</pre></td>'
-        f'<td><pre>{_escape(step["action"])}</pre></td><td>{"yes" if step["valid"] else "no"}</td>'
+        f'<td><pre>{_escape(step["action"])}</pre></td><td>{_state_after(step)}</td><td>{"yes" if step["valid"] else "no"}</td>'
         f'<td>{step["reward"]:.3f}</td><td>{step["step_group_size"]}</td><td>{step["episode_advantage"]:.3f}</td>'
         f'<td>{step["step_advantage"]:.3f}</td><td>{step["advantage"]:.3f}</td></tr>'
         for step in episode["steps"]
     ]
     table = f'<table class="steps"><tr>{header}</tr>\n' + "\n".join(rows) + "\n</table>"
     return f'<details class="episode"><summary>{summary}</summary>\n{table}\n</details>'
+
+
+def _state_after(step: dict[str, Any]) -> str:
+    """'#k', with 'revisit' or 'reversal' where the step went back; '–' where unknown or not a state."""
+    number = step.get("next_state")
+    if number is None:
+        return "–"
+    mark = " reversal" if step.get("reversal") else " revisit" if step.get("revisit") else ""
+    return f"#{number}{mark}"
 
 
 def _escape(value: Any) -> str:
@@ -447,6 +530,7 @@ summary { cursor: pointer; }
 pre { margin: 0; white-space: pre-wrap; word-break: break-word; max-height: 20em; overflow: auto; font-size: 0.85em; }
 tr.invalid { background: #fff3f3; }
 .unplayed { border: 2px solid #c60; background: #fff6e8; padding: 0 1em; }
+tr.revisit td:nth-child(5) { background: #fff1c2; font-weight: bold; }
 .won { color: #17702a; font-weight: bold; }
 .lost { color: #a33; }
 """
@@ -470,8 +554,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m gigpo_trl.report",
         description="Write the report of a GiGPO training run (plots of success rate, return, episode length, "
-        "step groups and advantages, and a trajectory viewer) into OUTPUT_DIR/report/, and print the path of "
-        "its index.html.",
+        "step groups, advantages, loops and early warnings, and a trajectory viewer) into OUTPUT_DIR/report/, and "
+        "print the path of its index.html.",
     )
     parser.add_argument("output_dir", metavar="OUTPUT_DIR", help="the output_dir of a GiGPOTrainer run (it holds gigpo/iterations.jsonl)")
     parser.add_argument("--rollouts", type=int, default=DEFAULT_ROLLOUTS_SHOWN, metavar="N",

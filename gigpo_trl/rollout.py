@@ -14,6 +14,7 @@ tool-calling dialogue of TRL's `environment_factory` classes (`gigpo_trl.trl_env
 from __future__ import annotations
 
 import time
+from collections import defaultdict
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Protocol
@@ -21,7 +22,8 @@ from typing import Any, Protocol
 from tqdm.auto import tqdm
 
 from gigpo_trl.env_pool import INFO_ENV_ERROR, EnvOutput, EnvPool
-from gigpo_trl.envs import INFO_ADMISSIBLE_ACTIONS, INFO_TASK, INFO_TASK_TYPE, INFO_WON
+from gigpo_trl.envs import INFO_ADMISSIBLE_ACTIONS, INFO_ANCHOR_KIND, INFO_TASK, INFO_TASK_TYPE, INFO_WON
+from gigpo_trl.loops import EpisodeLoops, episode_loops
 from gigpo_trl.parsing import ParsedAction, parse_action
 from gigpo_trl.prompts import PromptTemplate, build_messages
 from gigpo_trl.tasks import Task
@@ -142,6 +144,8 @@ class Episode:
     done: bool = False  # the episode has ended (on its own or cut off)
     truncated: bool = False  # cut off (max_env_steps, the environment's own limit, or an environment failure)
     env_error: str | None = None  # why the environment failed, if it did
+    final_anchor: Hashable = None  # the anchor of the state the last step led to (of the start state before a step)
+    anchor_kind: str = "state"  # what the environment said its anchors are on reset (info["anchor_kind"])
 
 
 @dataclass
@@ -159,6 +163,17 @@ class Rollout:
     def num_groups(self) -> int:
         """The task groups played (groups are numbered 0, 1, ... in the order of the tasks)."""
         return max((episode.group for episode in self.episodes), default=-1) + 1
+
+    def loops(self) -> list[EpisodeLoops | None]:
+        """The loop figures of every episode (`gigpo_trl.loops`) from the anchors of its states s_0, ..., s_T: those
+        of its steps, then its final anchor. None for an episode whose anchors are not states (anchor_kind
+        "history")."""
+        anchors: dict[int, list[Hashable]] = defaultdict(list)
+        for trajectory, anchor in zip(self.steps.trajectory, self.steps.anchor):
+            anchors[trajectory].append(anchor)
+        return [episode_loops([*anchors[e.trajectory], e.final_anchor], terminated=not e.truncated,
+                              failed=e.env_error is not None) if e.anchor_kind == "state" else None
+                for e in self.episodes]
 
 
 def concatenate_rollouts(parts: Sequence[Rollout]) -> Rollout:
@@ -219,7 +234,8 @@ def collect_rollout(
     rollout.env_seconds += time.perf_counter() - started
     episodes = [
         Episode(pool.group_of(i), i, tasks[pool.group_of(i)].seed, tasks[pool.group_of(i)].options,
-                current[i].info.get(INFO_TASK_TYPE))
+                current[i].info.get(INFO_TASK_TYPE), final_anchor=current[i].anchor,
+                anchor_kind=current[i].info.get(INFO_ANCHOR_KIND, "state"))
         for i in range(len(current))
     ]
     for episode, output in zip(episodes, current):
@@ -260,6 +276,7 @@ def collect_rollout(
             histories[i].append(Exchange(current[i].observation, parsed[i], result))
             episode.length += 1
             episode.episode_return += result.reward
+            episode.final_anchor = result.anchor
             current[i] = result
             _end_if_done(episode, result)
     turns.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 import os
 import textwrap
 import time
@@ -26,14 +27,17 @@ from gigpo_trl.dynamic_sampling import (
 from gigpo_trl.env_pool import EnvPool
 from gigpo_trl.envs import TextEnv, env_factory
 from gigpo_trl.generation import completions_from_tokens, greedy_decoding, vllm_awake
+from gigpo_trl.loops import LOOP_WARNING, LoopAlarm, entropy_baseline, loop_warning_due
 from gigpo_trl.loss import entropy_bonus, next_entropy_coef, rollout_token_normalizer, row_chunks
 from gigpo_trl.metrics import (
-    SINGLETON_WARNING, SINGLETON_WARNING_SHARE, PanelEpisode, RolloutSummary, RolloutTimes, merged_pass_metrics,
-    padding_free_row_metrics, panel_metrics, panel_tasks, rollout_metrics,
+    GRAD_NORM_SPIKE_WINDOW, SINGLETON_WARNING, SINGLETON_WARNING_SHARE, PanelEpisode, RolloutSummary, RolloutTimes,
+    merged_pass_metrics, padding_free_row_metrics, panel_metrics, panel_tasks, rollout_metrics, trailing_ratio,
 )
 from gigpo_trl.models import resolve_model
 from gigpo_trl.prompts import PromptTemplate, load_template, template_for
-from gigpo_trl.records import count_rollouts, episode_records, iteration_record, write_evaluation, write_records
+from gigpo_trl.records import (
+    count_rollouts, episode_records, iteration_record, write_evaluation, write_records, write_update,
+)
 from gigpo_trl.report import ReportCallback
 from gigpo_trl.rollout import (
     DUMMY_PROMPT, Completion, Dialogue, Messages, Rollout, TextDialogue, Tools, collect_rollout,
@@ -74,7 +78,8 @@ class GiGPOTrainer(GRPOTrainer):
       bonus (`entropy_coef`) as a token mean over the rollout, where the parent's is a mean per micro-batch
       (`gigpo_trl.loss`); `_get_per_token_logps_and_entropies` keeps the entropies of the loss's pass for it.
     - `evaluate` keeps its time out of `timing/update_s`; `log` first recomputes an evaluation's episode metrics over
-      its distinct tasks.
+      its distinct tasks, and adds to a training step's log its gradient norm's spike ratio, checks it for a policy
+      that loops (`gigpo_trl.loops`) and records it for the report.
     - With vLLM and a LoRA adapter, TRL's weight sync hands vLLM merged weights computed out of place
       (`gigpo_trl.weight_sync`): its merge_adapter / unmerge_adapter moved the base weights by rounding at every sync.
     - `_name`, `_tag_names` and `_paper`: the model card (`create_model_card`, which `push_to_hub` and every checkpoint
@@ -183,6 +188,9 @@ class GiGPOTrainer(GRPOTrainer):
         self._last_rollout_end: float | None = None  # of the latest training rollout
         self._seconds_outside_updates = 0.0  # evaluation time since then, which is not the update's
         self._warned_singletons = False
+        self._grad_norms: deque[float] = deque(maxlen=GRAD_NORM_SPIKE_WINDOW)  # of the latest logged training steps
+        self._logged_entropies: list[float] = []  # the policy entropy of every logged training step
+        self._loop_alarm: LoopAlarm | None = None  # the last loop warning
         self._rollouts_recorded = count_rollouts(args.output_dir)
         self.last_rollout: Rollout | None = None  # the latest rollout of this process (trajectories, for reports)
         self._eval_episodes: list[PanelEpisode] = []  # this process's evaluation episodes since the last log
@@ -216,7 +224,8 @@ class GiGPOTrainer(GRPOTrainer):
         rollout = self._play(pool, tasks, greedy)
         rollout_seconds = time.perf_counter() - started
         if mode == "eval":
-            self._eval_episodes += [PanelEpisode.of(episode, group_size) for episode in rollout.episodes]
+            self._eval_episodes += [PanelEpisode.of(episode, group_size, loops)
+                                    for episode, loops in zip(rollout.episodes, rollout.loops())]
 
         # 2. GiGPO advantages over this process's groups (groups never cross processes).
         started = time.perf_counter()
@@ -501,7 +510,9 @@ class GiGPOTrainer(GRPOTrainer):
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """GRPOTrainer's log; an evaluation's episode metrics are first recomputed over its distinct tasks, those it
-        could not play left out and named (`eval_env/panel_unplayed_tasks`, a text, logged only when there are any)."""
+        could not play left out and named (`eval_env/panel_unplayed_tasks`, a text, logged only when there are any); a
+        training step's log gets `grad_norm/spike`, is checked for a policy that loops, and is recorded."""
+        training_step = self.model.training and "loss" in logs  # not the closing summary of `train()`
         if not self.model.training:
             episodes = gather_object(self._eval_episodes)
             self._eval_episodes = []
@@ -515,7 +526,35 @@ class GiGPOTrainer(GRPOTrainer):
                     warnings.warn(_unplayed_message(played, unplayed), stacklevel=2)
             if self.accelerator.is_main_process and metrics:
                 write_evaluation(self.args.output_dir, self.state.global_step, metrics, played, unplayed)
-        super().log(logs, start_time)
+        elif training_step:
+            self._check_training_health(logs)
+        super().log(logs, start_time)  # adds the averages of `_metrics` to `logs`
+        if training_step and self.accelerator.is_main_process:
+            write_update(self.args.output_dir, self.state.global_step, logs)
+
+    def _check_training_health(self, logs: dict[str, float]) -> None:
+        """RAGEN's early warnings on a training step's log: the gradient norm over the median of the last
+        GRAD_NORM_SPIKE_WINDOW logged before it (`grad_norm/spike`), and the loop warning (`loop_warning_due`: the
+        training rollouts' revisit share high while the entropy falls), once and again each time it worsens."""
+        grad_norm = logs.get("grad_norm")
+        if grad_norm is not None and math.isfinite(grad_norm):
+            spike = trailing_ratio(grad_norm, self._grad_norms)
+            if spike is not None:
+                logs["grad_norm/spike"] = spike
+            self._grad_norms.append(grad_norm)
+        entropy, revisit_share = (self._logged_mean(name) for name in ("entropy", "loops/revisit_share"))
+        if entropy is None:
+            return
+        self._logged_entropies.append(entropy)
+        if revisit_share is not None and loop_warning_due(revisit_share, self._logged_entropies, self._loop_alarm):
+            self._loop_alarm = LoopAlarm(revisit_share, entropy)
+            warnings.warn(LOOP_WARNING.format(revisit=revisit_share, entropy=entropy,
+                                              start_entropy=entropy_baseline(self._logged_entropies)), stacklevel=2)
+
+    def _logged_mean(self, name: str) -> float | None:
+        """The mean of a training metric's values since the last log (NaN left out, as GRPOTrainer's log does)."""
+        values = [value for value in self._metrics["train"].get(name, []) if not math.isnan(value)]
+        return sum(values) / len(values) if values else None
 
     def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
         started = time.perf_counter()

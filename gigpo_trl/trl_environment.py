@@ -44,7 +44,9 @@ Anchors (`anchor`):
   engine) is invisible and merges different states: then define `anchor`. TRL's `GRPOTrainer` shows every public
   method to the model as a tool, `gigpo_anchor()` too: a class meant for both trainers defines the `anchor`
   property, which TRL skips.
-- "tool_calls": the (tool, arguments) calls made so far, for environments whose state cannot be read.
+- "tool_calls": the (tool, arguments) calls made so far, for environments whose state cannot be read. Such an anchor
+  is a history, which never repeats within an episode: reset says so (`info["anchor_kind"] = "history"`) and the loop
+  metrics (`loops/*`, revisits of a state) are left out.
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ from typing import Any
 import numpy as np
 
 from gigpo_trl.env_base import BaseTextEnv
-from gigpo_trl.envs import INFO_ANCHOR, INFO_TASK, INFO_TASK_TYPE, INFO_WON
+from gigpo_trl.envs import INFO_ANCHOR, INFO_ANCHOR_KIND, INFO_TASK, INFO_TASK_TYPE, INFO_WON
 from gigpo_trl.parsing import ParsedAction
 from gigpo_trl.rollout import Completion, EnvOutput, Exchange, Messages, Tools
 
@@ -203,7 +205,8 @@ class TRLEnvironment(BaseTextEnv):
 
     `reset(seed=s, options=row)`: seeds Python's and numpy's generators with `s`, then calls the instance's
     `reset(**row)`. `step(action)`: `action` is the assistant message as JSON (`ToolCallDialogue.read`).
-    `info` on reset: `anchor`, `prompt`, `tools`, `task_type` (the environment's name); on step: `anchor`,
+    `info` on reset: `anchor`, `prompt`, `tools`, `task_type` (the environment's name), `anchor_kind` "history" with
+    the "tool_calls" anchor; on step: `anchor`,
     `tool_messages`, `task_type`; both `won` when the instance's `won` attribute is a bool (see the module docstring).
     """
 
@@ -243,6 +246,8 @@ class TRLEnvironment(BaseTextEnv):
             prompt[-1]["content"] = prompt[-1]["content"] + str(observation)
         self._row, self._prompt, self._completion, self._calls, self._reward_so_far = row, prompt, [], [], 0.0
         info = {**self._info(), INFO_PROMPT: prompt, INFO_TOOLS: tool_schemas(self.environment)}
+        if self.anchor_mode == "tool_calls":  # a history of calls, never repeated: no loop metrics (gigpo_trl.loops)
+            info[INFO_ANCHOR_KIND] = "history"
         if isinstance(prompt[-1]["content"], str):
             info[INFO_TASK] = prompt[-1]["content"]
         return prompt[-1]["content"] if isinstance(prompt[-1]["content"], str) else "", info

@@ -33,8 +33,10 @@ def numbered_choice_answer(prompt_text: str, position: int) -> str:
 
 
 class ScriptedTrainer(GiGPOTrainer):
-    """Corridor tasks (their observation: "You are in cell k ...") follow `corridor_answer`; any other environment gets
-    `numbered_choice_answer` (the rooms task also speaks of a corridor)."""
+    """Corridor tasks (their observation: "You are in cell k ...") follow `corridor_answer` (or the class's
+    `corridor`); any other environment gets `numbered_choice_answer` (the rooms task also speaks of a corridor)."""
+
+    corridor = staticmethod(corridor_answer)
 
     def _generate_turn(self, prompts, tools):
         generated = super()._generate_turn(prompts, tools)  # the real backend, in lock-step
@@ -42,7 +44,7 @@ class ScriptedTrainer(GiGPOTrainer):
         completions = []
         for position, (prompt, real) in enumerate(zip(prompts, generated)):
             text = prompt[-1]["content"]
-            answer = corridor_answer(text, position) if "You are in cell" in text else numbered_choice_answer(text, position)
+            answer = self.corridor(text, position) if "You are in cell" in text else numbered_choice_answer(text, position)
             ids = self._tokenizer(answer, add_special_tokens=False)["input_ids"] + [eos]
             completions.append(Completion(real.prompt_ids, ids, answer))
         return completions

@@ -25,7 +25,7 @@ from gigpo_trl.tasks import task_dataset
 
 pytestmark = pytest.mark.timeout(120)
 
-PLOTS = ["advantages.png", "outcomes.png", "panel.png", "step_groups.png"]
+PLOTS = ["advantages.png", "health.png", "loops.png", "outcomes.png", "panel.png", "step_groups.png"]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
@@ -95,9 +95,15 @@ class StepRows(HTMLParser):
             self._cell.append(data)
 
 
+def state_after(step: dict) -> str:
+    mark = " reversal" if step["reversal"] else " revisit" if step["revisit"] else ""
+    return f"#{step['next_state']}{mark}"
+
+
 def expected_rows(episodes: list[dict]) -> list[tuple[str, ...]]:
     return [
-        (str(step["step"]), step["observation"], step["completion"], step["action"], "yes" if step["valid"] else "no",
+        (str(step["step"]), step["observation"], step["completion"], step["action"], state_after(step),
+         "yes" if step["valid"] else "no",
          f"{step['reward']:.3f}", str(step["step_group_size"]), f"{step['episode_advantage']:.3f}",
          f"{step['step_advantage']:.3f}", f"{step['advantage']:.3f}")
         for episode in episodes
@@ -171,6 +177,9 @@ def test_the_viewer_shows_every_step_of_every_sample_episode_with_its_fields(run
     for episode in trajectories["train-00003"]:
         assert f"seed {episode['seed']} · return {episode['return']:.3f} · {episode['length']} steps" in page
     assert 'class="won">won</span>' in page and "not won, truncated" in page
+    # The copies that answer "left" in cell 0 at their first step stay there: a revisit of the start, marked.
+    revisits = [row for row in StepRows(page).rows if "revisit" in row[4]]
+    assert revisits and {(row[0], row[3], row[4]) for row in revisits} == {("0", "left", "#0 revisit")}
 
 
 def test_the_viewer_shows_the_last_rollouts_only_and_says_how_many_were_left_out(run_dir, tmp_path):
