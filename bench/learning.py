@@ -8,6 +8,7 @@
     python bench/learning.py --analyze-only --output O                       # collect them (cut-off runs too)
     python bench/learning.py --screen C1 C2 ... --model M                    # choose a setting: the base model's numbers
     python bench/learning.py --step-lambda 0.5 ...                           # a third arm: GiGPO at lambda 0.5
+    OMP_NUM_THREADS=1 python bench/learning.py --arms ARMS.yaml --jobs 2 ... # named arms, two runs at a time
 
 Each (method, seed) run is `recipes/train_gigpo.py --config CONFIG --step_advantage_weight {1, 0} --seed S`, so
 both methods share every other setting; `--step-lambda L` adds a third method, GiGPO with the bootstrapped step value
@@ -37,12 +38,18 @@ and the step groups (mean size, singleton share) that the copies of a task form.
 
 Rooms diagnostics, in the summary and the plot (docs/results.md reads them): the share of steps that follow the
 draught, the mean advantage of steps that follow it and of those that go against it, and the policy entropy
-(from the runs' logs). --reading-probe asks, without RL, whether the model can learn to act on the observation.
+(from the runs' logs). --reading-probe asks, without RL, whether the model can learn to act on the observation (or,
+on rooms without the hint, on its history).
 In every setting, per rollout: the step samples played and those the update left out (`gigpo/subsampled_rows`), the
 share of task groups whose copies all got the same return, and, where trajectories were logged, the share of steps
 that come back to the observation of two steps before (`two_step_loop_share`: a policy without history caught in a
 loop). Runs brought back from another machine without their logs take their entropy from the CSV of an analysis made
 there (--entropy-from).
+
+--arms ARMS.yaml replaces GiGPO and GRPO by named arms, each a list of recipe arguments (`read_arms`), compared with
+the file's control arm; --jobs N runs N at a time, and each run's CPU time is recorded. On rooms without the hint,
+the success per treasure side (from the logged episodes). With a control arm the summary holds setting F's
+pre-registered reading (`trap_reading`, docs/results.md).
 """
 
 from __future__ import annotations
@@ -52,8 +59,10 @@ import ast
 import csv
 import itertools
 import json
+import os
 import random
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -84,9 +93,66 @@ def methods(step_lambda: float | None = None) -> dict[str, list[str]]:
     return result
 
 
+# Set by the bench for every run: an arm may not set them.
+BENCH_ARGUMENTS = ("--config", "--model_name_or_path", "--seed", "--output_dir")
+
+
+def read_arms(path: Path) -> tuple[dict[str, list[str]], str | None]:
+    """The arms of an --arms file and its control arm (None if it names none). The file is YAML:
+
+        arms:                                  # name: the recipe arguments that make the arm, in order
+          history 0: [--history_length, "0"]
+          history 2: [--history_length, "2", --temperature, "1.0"]
+        control: history 0                     # optional: the arm every other is compared with
+
+    Numbers may be written unquoted; an arm may not set the bench's own arguments (BENCH_ARGUMENTS)."""
+    import yaml
+
+    content = yaml.safe_load(path.read_text())
+    if not isinstance(content, dict) or not isinstance(content.get("arms"), dict) or not content["arms"]:
+        raise ValueError(f"{path}: expected a mapping with 'arms': {{name: [recipe arguments]}}, got {content!r}")
+    unknown = set(content) - {"arms", "control"}
+    if unknown:
+        raise ValueError(f"{path}: unknown keys {sorted(unknown)} (known: 'arms', 'control')")
+    arms: dict[str, list[str]] = {}
+    for name, arguments in content["arms"].items():
+        if not isinstance(name, str) or not name.strip() or not isinstance(arguments, list):
+            raise ValueError(f"{path}: arm {name!r} must be a name with a list of recipe arguments, got {arguments!r}")
+        if any(isinstance(a, bool) or not isinstance(a, (str, int, float)) for a in arguments):
+            raise ValueError(f"{path}: arm {name!r}: every recipe argument must be a string or a number, got {arguments!r}")
+        arms[name] = [str(argument) for argument in arguments]
+        reserved = [a for a in arms[name] if a.split("=", 1)[0] in BENCH_ARGUMENTS]
+        if reserved:
+            raise ValueError(f"{path}: arm {name!r} sets {reserved}, which the bench sets for every run")
+    folders = [run_directory(Path(), name, 0) for name in arms]
+    if len(set(folders)) < len(folders):
+        raise ValueError(f"{path}: two arms share a run folder ({[folder.name for folder in folders]}): rename one")
+    control = content.get("control")
+    if control is not None and control not in arms:
+        raise ValueError(f"{path}: the control {control!r} is not one of the arms {list(arms)}")
+    return arms, control
+
+
+def recipe_value(arguments: Sequence[str], name: str) -> str | None:
+    """The value the recipe arguments give `--name` (the last one, as argparse takes it), or None."""
+    value = None
+    for k, argument in enumerate(arguments):
+        if argument == f"--{name}" and k + 1 < len(arguments):
+            value = arguments[k + 1]
+        elif argument.startswith(f"--{name}="):
+            value = argument.split("=", 1)[1]
+    return value
+
+
 def run_directory(output: Path, method: str, seed: int) -> Path:
-    """gigpo-seed0, grpo-seed0, gigpo-lambda0.5-seed0."""
-    name = {PAPER: "gigpo", BASELINE: "grpo"}.get(method) or "gigpo-lambda" + method.rsplit(" ", 1)[1]
+    """gigpo-seed0, grpo-seed0, gigpo-lambda0.5-seed0; an arm of an --arms file by its name in lower case, each run of
+    characters other than letters, digits and dots a dash: "history 2, T=1.0" -> history-2-t-1.0-seed0."""
+    if method in (PAPER, BASELINE):
+        name = {PAPER: "gigpo", BASELINE: "grpo"}[method]
+    elif re.fullmatch(r"GiGPO lambda [0-9.]+", method):
+        name = "gigpo-lambda" + method.rsplit(" ", 1)[1]
+    else:
+        name = re.sub(r"[^a-z0-9.]+", "-", method.lower()).strip("-")
     return output / f"{name}-seed{seed}"
 
 
@@ -103,22 +169,34 @@ def lambda_of_runs(output: Path) -> float | None:
     return found.pop() if found else None
 
 
-def state_prompts(env_name: str, env_kwargs: dict, template_name: str, tokenizer, draw: random.Random):
-    """Endless (prompt token ids, observation, admissible actions) of random states: a reset and 0-5 random moves."""
+def state_prompts(env_name: str, env_kwargs: dict, template_name: str, tokenizer, draw: random.Random,
+                  history_length: int = 0):
+    """Endless (prompt token ids, observation, admissible actions, the (observation, action) pairs the prompt shows) of
+    random states: a reset and 0-5 random moves.
+    With `history_length` K > 0 the prompt shows none or the last K of those moves (drawn), so that one warmed model
+    starts the arms with and without history alike. Tasks are drawn among the environment's own training seeds when
+    it has folds (TextWorldExpress refuses other seeds), else among the seeds below 10**6."""
     from gigpo_trl.envs import make_env
     from gigpo_trl.prompts import build_messages, load_template
 
     template, env = load_template(template_name), make_env(env_name, **env_kwargs)
+    own_seeds = getattr(env, "fold_seeds", None)
+    seeds = own_seeds("train") if own_seeds else None
     while True:
-        observation, info = env.reset(seed=draw.randrange(10**6))
+        observation, info = env.reset(seed=draw.choice(seeds) if seeds else draw.randrange(10**6))
+        history = []
         for _ in range(draw.randrange(6)):
-            observation, _, done, _, info = env.step(draw.choice(info["admissible_actions"]))
+            action = draw.choice(info["admissible_actions"])
+            history.append((observation, action))
+            observation, _, done, _, info = env.step(action)
             if done:
                 break
-        messages = build_messages(observation, task=info.get("task"), admissible_actions=info["admissible_actions"],
-                                  template=template)
+        shown = draw.choice((0, history_length)) if history_length else 0  # no draw at K = 0: settings A, B, E as run
+        messages = build_messages(observation, step=len(history) if shown else 0, task=info.get("task"),
+                                  history=history, admissible_actions=info["admissible_actions"],
+                                  history_length=shown, template=template)
         prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
-        yield list(prompt), observation, info["admissible_actions"]
+        yield list(prompt), observation, info["admissible_actions"], history[len(history) - shown:] if shown else []
 
 
 def supervised_step(model, tokenizer, pairs: list[tuple[list[int], int]], optimizer) -> float:
@@ -144,8 +222,9 @@ def supervised_step(model, tokenizer, pairs: list[tuple[list[int], int]], optimi
 
 
 def warm_up_format(output_dir: Path, env_name: str, env_kwargs: dict, template_name: str, seed: int = 0,
-                   steps: int = 300, batch_size: int = 16) -> Path:
-    """Build the tiny model and teach it the answer format only (uniformly random well-formed answers)."""
+                   steps: int = 300, batch_size: int = 16, history_length: int = 0) -> Path:
+    """Build the tiny model and teach it the answer format only (uniformly random well-formed answers), on prompts
+    with no history or the last `history_length` steps (`state_prompts`)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -157,14 +236,14 @@ def warm_up_format(output_dir: Path, env_name: str, env_kwargs: dict, template_n
     tokenizer = AutoTokenizer.from_pretrained(output_dir)
     model = AutoModelForCausalLM.from_pretrained(output_dir)
     draw = random.Random(seed)
-    prompts = state_prompts(env_name, env_kwargs, template_name, tokenizer, draw)
+    prompts = state_prompts(env_name, env_kwargs, template_name, tokenizer, draw, history_length)
     torch.manual_seed(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model.train()
     for _ in range(steps):
         pairs = []
         for _ in range(batch_size):  # a state, then its label: the draw order of the documented warm-up
-            prompt, _, actions = next(prompts)
+            prompt, _, actions, _ = next(prompts)
             pairs.append((prompt, draw.randint(1, len(actions))))
         loss = supervised_step(model, tokenizer, pairs, optimizer)
     print(f"format warm-up: {steps} steps, final loss {loss:.3f}")
@@ -182,21 +261,44 @@ def draught_action(observation: str, actions: list[str]) -> int:
     return actions.index(draught_move(observation)) + 1
 
 
+def memory_action(observation: str, actions: list[str], history: list[tuple[str, str]], num_rooms: int) -> int:
+    """Rooms without the hint: the number of the admissible action of the policy that needs memory and wins every
+    task: keep going the way of the last move, turn at the wall ("Room 0." -> go east)."""
+    room = int(re.match(r"Room (\d+)", observation).group(1))
+    move = "go east" if room == 0 else "go west" if room == num_rooms - 1 else history[-1][1]
+    return actions.index(move) + 1
+
+
 def reading_probe(model_dir: str, settings: dict, learning_rate: float, steps: int, batch_size: int = 64,
-                  every: int = 25) -> list[dict]:
+                  every: int = 25, history_length: int = 0) -> list[dict]:
     """Can the policy model learn to act on the observation at all, and after how many updates? Supervised
-    learning from the format-warmed model with PERFECT labels (rooms: follow the draught), same optimizer family
-    and learning rate as the RL runs. Greedy accuracy of the action number on 64 fixed held-out states every
-    `every` steps. A method-neutral ceiling: RL from the same start gets a noisier signal than these labels."""
+    learning from the format-warmed model with PERFECT labels, same optimizer family and learning rate as the RL
+    runs: rooms, follow the draught; rooms without the hint (`hint: false`), the policy of `memory_action` on prompts
+    that show the last `history_length` steps (it must read its history). Greedy accuracy of the action number on 64
+    fixed held-out states every `every` steps. A method-neutral ceiling: RL from the same start gets a noisier signal
+    than these labels."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir)
-    env_args = (settings["env_name"], settings.get("env_kwargs") or {}, settings["prompt_template"], tokenizer)
+    env_kwargs = settings.get("env_kwargs") or {}
+    env_args = (settings["env_name"], env_kwargs, settings["prompt_template"], tokenizer)
+    if env_kwargs.get("hint", True):
+        def states(draw: random.Random):  # states with a hint to follow (not the treasure room)
+            return (state for state in state_prompts(*env_args, draw) if "draught blows" in state[1])
 
-    def states(draw: random.Random):  # states with a hint to follow (not the treasure room)
-        return (state for state in state_prompts(*env_args, draw) if "draught blows" in state[1])
+        def label(observation, actions, _):
+            return draught_action(observation, actions)
+    else:
+        if history_length < 1:
+            raise ValueError("the reading probe of rooms without the hint needs prompts with history (history_length >= 1)")
+
+        def states(draw: random.Random):  # states whose prompt shows a past move (not the treasure room)
+            return (state for state in state_prompts(*env_args, draw, history_length) if state[3] and "found" not in state[1])
+
+        def label(observation, actions, history):
+            return memory_action(observation, actions, history, env_kwargs.get("num_rooms", 9))
 
     held_out, training = list(itertools.islice(states(random.Random(10**6)), 64)), states(random.Random(1))
     digits = [tokenizer(str(k), add_special_tokens=False)["input_ids"][-1] for k in (1, 2)]
@@ -204,10 +306,10 @@ def reading_probe(model_dir: str, settings: dict, learning_rate: float, steps: i
     def accuracy() -> float:
         correct = 0
         with torch.no_grad():
-            for prompt, observation, actions in held_out:
+            for prompt, observation, actions, history in held_out:
                 ids = torch.tensor([prompt + tokenizer("<action>", add_special_tokens=False)["input_ids"]])
                 logits = model(input_ids=ids).logits[0, -1, digits]
-                correct += int(logits.argmax()) + 1 == draught_action(observation, actions)
+                correct += int(logits.argmax()) + 1 == label(observation, actions, history)
         return correct / len(held_out)
 
     torch.manual_seed(0)
@@ -215,8 +317,7 @@ def reading_probe(model_dir: str, settings: dict, learning_rate: float, steps: i
     curve, loss = [{"step": 0, "accuracy": accuracy()}], float("nan")
     for step in range(1, steps + 1):
         batch = [next(training) for _ in range(batch_size)]
-        loss = supervised_step(model, tokenizer, [(prompt, draught_action(obs, actions)) for prompt, obs, actions in batch],
-                                optimizer)
+        loss = supervised_step(model, tokenizer, [(prompt, label(*state)) for prompt, *state in batch], optimizer)
         if step % every == 0:
             curve.append({"step": step, "loss": loss, "accuracy": accuracy()})
             print(f"reading probe: step {step}, loss {loss:.3f}, held-out accuracy {curve[-1]['accuracy']:.2f}", flush=True)
@@ -225,34 +326,42 @@ def reading_probe(model_dir: str, settings: dict, learning_rate: float, steps: i
 
 def start_run(config: Path, model: str, method_arguments: list[str], seed: int, output_dir: Path,
               overrides: list[str]) -> subprocess.Popen:
-    """One training run through the recipe, started in a process of its own (its output in OUTPUT_DIR.log)."""
+    """One training run through the recipe, started in a process of its own (its output in OUTPUT_DIR.log, after a
+    first line holding the command)."""
     command = [sys.executable, str(ROOT / "recipes" / "train_gigpo.py"), "--config", str(config),
                "--model_name_or_path", model, *method_arguments, "--seed", str(seed),
                "--output_dir", str(output_dir), *overrides]
     with open(run_log(output_dir), "w") as log:
+        log.write(shlex.join(command) + "\n")
+        log.flush()
         return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
 
 
 def train_all(runs: dict[tuple[str, int], Path], arms: dict[str, list[str]], config: Path, model: str,
-              overrides: list[str], parallel: bool) -> dict[str, float]:
-    """Every (method, seed) run, one after the other or all at once; returns their wall times in seconds."""
-    started, processes, seconds = {}, {}, {}
-
-    def finish(key):
-        if processes[key].wait():
-            raise RuntimeError(f"{key[0]} seed {key[1]} failed: see {run_log(runs[key])}")
-        seconds[f"{key[0]} seed {key[1]}"] = time.perf_counter() - started[key]
-        print(f"{key[0]:16s} seed {key[1]}: {seconds[f'{key[0]} seed {key[1]}']:.0f} s", flush=True)
-
-    for key, output_dir in runs.items():
-        started[key] = time.perf_counter()
-        processes[key] = start_run(config, model, arms[key[0]], key[1], output_dir, overrides)
-        if not parallel:
-            finish(key)
-    if parallel:
-        for key in runs:
-            finish(key)
-    return seconds
+              overrides: list[str], jobs: int) -> tuple[dict[str, float], dict[str, float]]:
+    """Every (method, seed) run, in order, at most `jobs` at once (1: one after the other); returns their wall times and
+    their processes' CPU times (user + system) in seconds: on a loaded machine the CPU time of a one-thread run is what
+    it would take on a quiet core. A failed run stops the comparison once the runs already started have ended."""
+    pending, running, seconds, cpu_seconds = list(runs), {}, {}, {}
+    while pending or running:
+        while pending and len(running) < jobs:
+            key = pending.pop(0)
+            running[key] = (time.perf_counter(), start_run(config, model, arms[key[0]], key[1], runs[key], overrides))
+        time.sleep(0.2)
+        for key, (started, process) in list(running.items()):
+            pid, status, usage = os.wait4(process.pid, os.WNOHANG)
+            if not pid:
+                continue
+            del running[key]
+            process.returncode = os.waitstatus_to_exitcode(status)
+            if process.returncode:
+                for _, other in running.values():
+                    other.wait()
+                raise RuntimeError(f"{key[0]} seed {key[1]} failed: see {run_log(runs[key])}")
+            name = f"{key[0]} seed {key[1]}"
+            seconds[name], cpu_seconds[name] = time.perf_counter() - started, usage.ru_utime + usage.ru_stime
+            print(f"{name}: {seconds[name]:.0f} s, CPU {cpu_seconds[name]:.0f} s", flush=True)
+    return seconds, cpu_seconds
 
 
 def detach(output: Path) -> None:
@@ -323,10 +432,12 @@ def check_memory_plan(config: Path, model: str, overrides: list[str], num_runs: 
     print(f"memory plan: {plan} = {num_runs * per_run:.1f} GiB", flush=True)
 
 
-def screen(config: Path, model: str, eval_tasks: int, sampled_tasks: int, copies: int) -> dict:
+def screen(config: Path, model: str, eval_tasks: int, sampled_tasks: int, copies: int,
+           recipe_arguments: Sequence[str] = ()) -> dict:
     """What choosing a setting needs, from the base model (no training): its greedy held-out success and episode
     length on the first `eval_tasks` tasks of the config's eval fold, the optimal path length of those tasks
-    (`shortest_path_length`), and one sampled rollout of `sampled_tasks` x `copies`: success and step groups."""
+    (`shortest_path_length`), and one sampled rollout of `sampled_tasks` x `copies`: success and step groups.
+    `recipe_arguments` change the config (e.g. --history_length 2)."""
     from trl import ModelConfig, TrlParser
 
     from gigpo_trl import GiGPOConfig, GiGPOTrainer, TaskArguments, make_env
@@ -338,7 +449,7 @@ def screen(config: Path, model: str, eval_tasks: int, sampled_tasks: int, copies
                  "--per_device_train_batch_size", str(sampled_tasks * copies), "--steps_per_generation", "1",
                  "--gradient_accumulation_steps", "1", "--report_to", "none", "--log_trajectories", "0"]
     task_args, args, _ = TrlParser((TaskArguments, GiGPOConfig, ModelConfig)).parse_args_and_config(
-        args=["--config", str(config), *overrides])
+        args=["--config", str(config), *overrides, *recipe_arguments])
     train, panel = task_args.datasets(args.env_name, args.env_kwargs)
     trainer = GiGPOTrainer(model, args=args, train_dataset=train, eval_dataset=panel)
     held_out = trainer.evaluate()
@@ -440,14 +551,34 @@ def run_entropy(output_dir: Path, train_steps: list[int], earlier: dict[int, flo
     return earlier
 
 
+def rollout_diagnostics(trajectories: dict[str, list[dict]], settings: dict) -> dict[tuple[str, int], dict[str, float]]:
+    """On rooms whose treasure end the seed picks, per recorded rollout ((mode, rollout) -> columns), from a run's
+    `read_trajectories` (`log_trajectories` episodes a rollout; all of them when it is at least the rollout's batch):
+    the success rate of the tasks with the treasure west (even seeds) and east (odd). Empty elsewhere."""
+    env_kwargs = settings.get("env_kwargs") or {}
+    if settings["env_name"] != "rooms" or env_kwargs.get("treasure", "seed") != "seed":
+        return {}
+    result = {}
+    for name, episodes in trajectories.items():
+        mode, rollout = name.split("-")
+        result[mode, int(rollout)] = {
+            f"success_treasure_{side}": float(np.mean(won)) if won else float("nan")
+            for side, parity in (("west", 0), ("east", 1))
+            for won in [[bool(episode["won"]) for episode in episodes if episode["seed"] % 2 == parity]]}
+    return result
+
+
+DIAGNOSTIC_COLUMNS = ("success_treasure_west", "success_treasure_east")
+
+
 def curves(runs: dict[tuple[str, int], Path], hint_steps: dict[tuple[str, int], list],
            trajectories: dict[tuple[str, int], dict[str, list[dict]]],
-           entropy_from: dict[tuple[str, int], dict[int, float]]) -> list[dict]:
+           entropy_from: dict[tuple[str, int], dict[int, float]], settings: dict) -> list[dict]:
     """One row per (method, seed, rollout): step, mode, success rate, return, step-group statistics, timings, the
     step samples the rollout played and those its update left out, the invalid-answer rate, the share of task groups
     whose copies all got the same return and of the update's samples with a nonzero advantage, and, where the
     rollout's trajectories were logged, their `two_step_loop_share`; the logged loop metrics (`loops/*`) and in-group
-    return std."""
+    return std; on rooms without the hint, the success per treasure side (`rollout_diagnostics`)."""
     rows = []
     for (method, seed), output_dir in runs.items():
         if not (output_dir / "gigpo" / "iterations.jsonl").is_file():  # not started yet, or failed at once
@@ -455,11 +586,13 @@ def curves(runs: dict[tuple[str, int], Path], hint_steps: dict[tuple[str, int], 
             continue
         following = draught_following(hint_steps[method, seed])
         loops = {name: two_step_loop_share(episodes) for name, episodes in trajectories[method, seed].items()}
+        diagnostics = rollout_diagnostics(trajectories[method, seed], settings)
         records = read_iterations(output_dir)
         entropy = run_entropy(output_dir, [record["step"] for record in records if record["mode"] == "train"],
                               entropy_from.get((method, seed), {}))
         for record in records:
             metrics = record["metrics"]
+            missing = dict.fromkeys(DIAGNOSTIC_COLUMNS, float("nan"))
             rows.append({
                 "method": method, "seed": seed, "mode": record["mode"], "step": record["step"],
                 "success_rate": metrics["env/success_rate"], "return_mean": metrics["env/return_mean"],
@@ -481,6 +614,7 @@ def curves(runs: dict[tuple[str, int], Path], hint_steps: dict[tuple[str, int], 
                 **{name: metrics.get(f"loops/{name}", float("nan"))
                    for name in ("revisit_share", "reversal_share", "cycle_end_share", "distinct_states_mean")},
                 "group_return_std": metrics.get("env/group_return_std", float("nan")),
+                **diagnostics.get((record["mode"], record["rollout"]), missing),
             })
     return rows
 
@@ -490,7 +624,7 @@ def mean_curve(rows: list[dict], method: str, mode: str, field: str) -> tuple[np
     by_seed: dict[int, dict[int, float]] = {}
     for row in rows:
         if row["method"] == method and row["mode"] == mode:
-            by_seed.setdefault(row["seed"], {})[row["step"]] = row[field]
+            by_seed.setdefault(row["seed"], {})[row["step"]] = row.get(field, float("nan"))
     steps = sorted(set.intersection(*(set(values) for values in by_seed.values())))
     return np.array(steps), np.array([[values[s] for s in steps] for values in by_seed.values()])
 
@@ -499,8 +633,6 @@ def plot(rows: list[dict], path: Path) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    figure = Figure(figsize=(16, 8), layout="constrained")
-    FigureCanvasAgg(figure)
     panels = [("train", "success_rate", "Training rollouts: success rate"),
               ("eval", "success_rate", "Held-out tasks (greedy): success rate"),
               ("train", "return_mean", "Training rollouts: mean return"),
@@ -509,8 +641,21 @@ def plot(rows: list[dict], path: Path) -> None:
               ("train", "entropy", "Policy entropy (mean per completion token)")]
     if not all(np.isnan(row["draught_following"]) for row in rows):  # rooms: what the policy learned
         panels[2] = ("train", "draught_following", "Steps that follow the draught (rooms)")
-    for axes, (mode, field, title) in zip(figure.subplots(2, 3).flat, panels):
-        for method in dict.fromkeys(row["method"] for row in rows):
+    if not all(np.isnan(row["revisit_share"]) for row in rows):  # the loop metrics (loops/*)
+        panels += [("train", "revisit_share", "Steps into a state visited before (revisits)"),
+                   ("train", "reversal_share", "Steps back to the state of two states before"),
+                   ("train", "distinct_states_mean", "Distinct states per episode")]
+    if not all(np.isnan(row["success_treasure_west"]) for row in rows):  # rooms without the hint: one side or both?
+        panels[2] = ("train", "success_treasure_west", "Training rollouts: success, treasure west")
+        panels.append(("train", "success_treasure_east", "Training rollouts: success, treasure east"))
+    lines = -(-len(panels) // 3)
+    figure = Figure(figsize=(16, 4 * lines), layout="constrained")
+    FigureCanvasAgg(figure)
+    grid = list(figure.subplots(lines, 3).flat)
+    for axes in grid[len(panels):]:
+        axes.set_axis_off()
+    for axes, (mode, field, title) in zip(grid, panels):
+        for method in dict.fromkeys(row["method"] for row in rows if row["mode"] == mode):
             steps, values = mean_curve(rows, method, mode, field)
             if field == "draught_following":  # 4 sampled episodes per rollout: average 10 rollouts
                 steps, values = steps[::10], np.array([np.nanmean(v.reshape(-1, 10), axis=1) for v in values[:, : len(steps) // 10 * 10]])
@@ -524,22 +669,27 @@ def plot(rows: list[dict], path: Path) -> None:
     figure.savefig(path, dpi=110)
 
 
-def comparisons(arms: Sequence[str]) -> list[tuple[str, str]]:
-    """The (method, against) pairs a comparison reports: every method against step-wise GRPO, and the bootstrapped
-    arm against the paper's GiGPO."""
-    return [(method, BASELINE) for method in arms if method != BASELINE] + [
-        (method, PAPER) for method in arms if method not in (PAPER, BASELINE)]
+def comparisons(arms: Sequence[str], control: str | None = None) -> list[tuple[str, str]]:
+    """The (method, against) pairs a comparison reports: every method against the control when there is one (an
+    --arms file's); otherwise every method against step-wise GRPO, and the bootstrapped arm against the paper's GiGPO,
+    where they are arms."""
+    if control is not None:
+        return [(method, control) for method in arms if method != control]
+    return [(method, against) for against in (BASELINE, PAPER) if against in arms
+            for method in arms if method not in (against, BASELINE)]
 
 
 def summary(rows: list[dict], seeds: list[int], arms: Sequence[str], panels: Panels | None = None,
-            allow_panel_mismatch: bool = False) -> dict:
+            allow_panel_mismatch: bool = False, control: str | None = None) -> dict:
     """Final success rates and episode lengths, when each method reaches the other's final value (mean over seeds),
     and per seed the first iteration at which training success reaches each of SUCCESS_TARGETS. The held-out
     comparisons of two methods (`eval`, `decision`, `decisions`) are refused where their runs' evaluations did not play
-    the same tasks (`panels`, see `panel_differences`), unless `allow_panel_mismatch`; `held_out_panels` says which."""
+    the same tasks (`panels`, see `panel_differences`), unless `allow_panel_mismatch`; `held_out_panels` says which.
+    Also the first and last 20 iterations of every diagnostic (entropy, loops, ...), and with a control (an --arms
+    file's) the trap reading (`trap_reading`)."""
     panels = panels or {}
-    result: dict = {"seeds": seeds, "methods": list(arms)}
-    pairs = comparisons(arms)
+    result: dict = {"seeds": seeds, "methods": list(arms)} | ({"control": control} if control else {})
+    pairs = comparisons(arms, control)
     every_difference = panel_differences(panels, arms)
     result["held_out_panels"] = {
         "same_tasks": every_difference is None, "differences": every_difference,
@@ -548,6 +698,8 @@ def summary(rows: list[dict], seeds: list[int], arms: Sequence[str], panels: Pan
                                if None in by_step.values()],
     }
     for mode in ("train", "eval"):
+        if not any(r["mode"] == mode for r in rows):  # e.g. runs without held-out evaluation (eval_strategy no)
+            continue
         window = 5 if mode == "train" else 1  # training curves are noisy: compare trailing means
         result[mode] = {"trailing_window": window}
         for field, higher in (("success_rate", True), ("episode_length", False)):
@@ -557,9 +709,12 @@ def summary(rows: list[dict], seeds: list[int], arms: Sequence[str], panels: Pan
                 compared = (_comparison(rows, mode, field, window, higher, method, against)
                             if allow_panel_mismatch or differences is None else {"refused": _refusal(differences)})
                 result[mode][field][f"{method} against {against}"] = compared
-    result["decision"] = decision(rows, panels=panels, allow_panel_mismatch=allow_panel_mismatch)
+    if PAPER in arms and BASELINE in arms:
+        result["decision"] = decision(rows, panels=panels, allow_panel_mismatch=allow_panel_mismatch)
     result["decisions"] = {f"{method} against {against}": decision(rows, method, against, panels, allow_panel_mismatch)
                            for method, against in pairs}
+    if control is not None:
+        result["trap_reading"] = trap_reading(rows, arms, control)
     result["first_step_at_train_success"] = {
         method: {f"{target:g}": first_steps_at(rows, method, target) for target in SUCCESS_TARGETS} for method in arms}
     train = [r for r in rows if r["mode"] == "train"]
@@ -577,12 +732,13 @@ def summary(rows: list[dict], seeds: list[int], arms: Sequence[str], panels: Pan
                          "step_samples", "subsampled_rows")
         }
         last = max(r["step"] for r in mine)
-        for field in ("draught_following", "entropy", "singleton_share", "step_group_size_mean", "equal_return_groups",
-                      "nonzero_advantage_share", "two_step_loop_share", "revisit_share", "reversal_share"):
-            if not all(np.isnan(r[field]) for r in mine):
+        for field in ("success_rate", "draught_following", "entropy", "singleton_share", "step_group_size_mean",
+                      "equal_return_groups", "nonzero_advantage_share", "two_step_loop_share", "revisit_share",
+                      "reversal_share", "cycle_end_share", "distinct_states_mean", *DIAGNOSTIC_COLUMNS):
+            if not all(np.isnan(r.get(field, np.nan)) for r in mine):
                 result.setdefault(f"{field}_first_last_20", {})[method] = {
-                    "first_20_iterations": float(np.nanmean([r[field] for r in mine if r["step"] < 20])),
-                    "last_20_iterations": float(np.nanmean([r[field] for r in mine if r["step"] > last - 20])),
+                    "first_20_iterations": float(np.nanmean([r.get(field, np.nan) for r in mine if r["step"] < 20])),
+                    "last_20_iterations": float(np.nanmean([r.get(field, np.nan) for r in mine if r["step"] > last - 20])),
                 }
     return result
 
@@ -600,6 +756,71 @@ def first_steps_at(rows: list[dict], method: str, target: float, window: int = 5
         smoothed = _trailing_mean(np.array([curve[step] for step in steps]), window)
         reached = np.flatnonzero(smoothed >= target)
         result[str(seed)] = int(steps[reached[0]]) if reached.size else None
+    return result
+
+
+# The trap-and-escape rule of setting F (docs/results.md), fixed before its full run. Windows: the first and the last
+# TRAP_WINDOW training updates of each run. Side-balanced success: the mean of the success rates of the tasks whose
+# treasure is west and east (rooms without the hint; the plain success rate elsewhere). No policy of the current
+# observation alone beats MEMORYLESS_CEILING there (docs/results.md, setting F).
+TRAP_WINDOW = 20
+MEMORYLESS_CEILING = 0.5
+TRAP_ENTROPY_FALL = 0.6  # the trap: the last window's entropy at most this share of the first window's ...
+TRAP_SUCCESS_MARGIN = 0.05  # ... its balanced success at most the ceiling plus this ...
+TRAP_LOOPS = 0.5  # ... and at least this share of its steps revisiting a state
+TRAP_SEED_SHARE = 0.8  # shown when it holds on at least this share of the control's seeds (4 of 5)
+ESCAPE_SUCCESS = 0.6  # an arm escapes on a seed when its last window's balanced success is at least this
+
+
+def window_means(rows: list[dict], method: str, seed: int, field: str, window: int = TRAP_WINDOW) -> tuple[float, float]:
+    """The mean of a training curve's `field` over one run's first and last `window` updates (NaN values left out)."""
+    curve = {r["step"]: r.get(field, np.nan) for r in rows if r["method"] == method and r["seed"] == seed and r["mode"] == "train"}
+    if not curve:
+        return float("nan"), float("nan")
+    last = max(curve)
+    first_values = [v for step, v in curve.items() if step < window and not np.isnan(v)]
+    last_values = [v for step, v in curve.items() if step > last - window and not np.isnan(v)]
+    return (float(np.mean(first_values)) if first_values else float("nan"),
+            float(np.mean(last_values)) if last_values else float("nan"))
+
+
+def trap_reading(rows: list[dict], arms: Sequence[str], control: str) -> dict:
+    """Setting F's pre-registered reading, from the curves: per run, the first and last windows' entropy,
+    side-balanced success and revisit share (`loops/revisit_share`), and the last held-out success. The control shows the trap on a seed when its entropy falls to at most
+    TRAP_ENTROPY_FALL of its start, its balanced success ends at most MEMORYLESS_CEILING + TRAP_SUCCESS_MARGIN, and
+    at least TRAP_LOOPS of its steps revisit; shown when that holds on TRAP_SEED_SHARE of its seeds. Any arm escapes
+    on a seed when its last window's balanced success is at least ESCAPE_SUCCESS (out of reach without memory); it
+    escapes when it does on every seed."""
+    sides = any(not np.isnan(r["success_treasure_west"]) for r in rows)
+    per_arm: dict[str, dict[str, dict]] = {}
+    for method in arms:
+        for seed in sorted({r["seed"] for r in rows if r["method"] == method}):
+            entropy = window_means(rows, method, seed, "entropy")
+            if sides:
+                west, east = (window_means(rows, method, seed, f"success_treasure_{side}") for side in ("west", "east"))
+                success = ((west[0] + east[0]) / 2, (west[1] + east[1]) / 2)
+            else:
+                success = window_means(rows, method, seed, "success_rate")
+            revisits = window_means(rows, method, seed, "revisit_share")
+            held_out = [r["success_rate"] for r in sorted(rows, key=lambda r: r["step"])
+                        if r["method"] == method and r["seed"] == seed and r["mode"] == "eval"]
+            figures = {"entropy": entropy, "balanced_success": success, "revisit_share": revisits,
+                       "held_out_last": held_out[-1] if held_out else float("nan"),
+                       "escaped": bool(success[1] >= ESCAPE_SUCCESS)}
+            if method == control:
+                figures["trap"] = bool(entropy[1] <= TRAP_ENTROPY_FALL * entropy[0]
+                                       and success[1] <= MEMORYLESS_CEILING + TRAP_SUCCESS_MARGIN
+                                       and revisits[1] >= TRAP_LOOPS)
+            per_arm.setdefault(method, {})[str(seed)] = figures
+    result: dict = {"balanced_by_treasure_side": sides, "per_seed": per_arm}
+    traps = [figures["trap"] for figures in per_arm.get(control, {}).values()]
+    shown = bool(traps) and sum(traps) >= TRAP_SEED_SHARE * len(traps)
+    result["control"] = f"{control}: trap {'shown' if shown else 'not shown'} on {sum(traps)} of {len(traps)} seeds"
+    result["arms"] = {}
+    for method, seeds in per_arm.items():
+        escaped = [figures["escaped"] for figures in seeds.values()]
+        verdict = "escapes" if all(escaped) else "does not escape"
+        result["arms"][method] = f"{verdict}: balanced success >= {ESCAPE_SUCCESS:g} on {sum(escaped)} of {len(escaped)} seeds"
     return result
 
 
@@ -691,20 +912,29 @@ def main() -> None:
     what.add_argument("--reading-probe", type=int, metavar="STEPS", default=None,
                       help="rooms only, no RL: supervised learning with perfect labels from the same start, "
                       "for STEPS updates at the config's learning rate; writes OUTPUT/reading_probe.json")
-    parser.add_argument("--step-lambda", type=float, default=None, metavar="LAMBDA",
-                        help="a third arm: GiGPO with the bootstrapped step value at this lambda in [0, 1) "
-                        "(--step_advantage_lambda; --analyze-only finds it from the runs' folders)")
+    arms_option = parser.add_mutually_exclusive_group()
+    arms_option.add_argument("--step-lambda", type=float, default=None, metavar="LAMBDA",
+                             help="a third arm: GiGPO with the bootstrapped step value at this lambda in [0, 1) "
+                             "(--step_advantage_lambda; --analyze-only finds it from the runs' folders)")
+    arms_option.add_argument("--arms", type=Path, default=None, metavar="ARMS.yaml",
+                             help="named arms instead of GiGPO and GRPO, each a list of recipe arguments (read_arms); "
+                             "copied to OUTPUT/arms.yaml, which --analyze-only reads when --arms is not given")
     parser.add_argument("--entropy-from", type=Path, default=None, metavar="CSV",
                         help="the entropy of runs whose log is missing (records brought back without it) from an "
                         "earlier analysis's learning_curves.csv, made where the logs were")
     parser.add_argument(PANEL_FLAG, action="store_true",
                         help="compare held-out figures even of runs whose evaluations did not play the same tasks (an "
                         "environment that could not start, another panel); the summary says which (held_out_panels)")
-    parser.add_argument("--parallel", action="store_true", help="start every run at once (one process each)")
+    at_once = parser.add_mutually_exclusive_group()
+    at_once.add_argument("--parallel", action="store_true", help="start every run at once (one process each)")
+    at_once.add_argument("--jobs", type=int, default=1, metavar="N", help="at most N runs at once, in order (default 1; "
+                         "on a few CPU cores with OMP_NUM_THREADS=1, one run a core)")
     parser.add_argument("--detach", action="store_true", help="run in a new process session, output to OUTPUT/learning.log")
     parser.add_argument("--screen-tasks", type=int, nargs=3, default=[32, 4, 8], metavar=("EVAL", "SAMPLED", "COPIES"),
                         help="--screen's held-out tasks, sampled tasks and copies per sampled task")
     args, overrides = parser.parse_known_args()  # the rest goes to the recipe, e.g. --max_steps 100
+    if args.jobs < 1:
+        parser.error(f"--jobs must be >= 1, got {args.jobs}")
     args.output.mkdir(parents=True, exist_ok=True)
     if args.detach:
         detach(args.output)
@@ -712,7 +942,7 @@ def main() -> None:
     if args.screen:
         results = []
         for config in args.screen:  # each result printed and saved as it comes: a screen takes minutes per config
-            results.append(screen(config, args.model or EMBEDDED, *args.screen_tasks))
+            results.append(screen(config, args.model or EMBEDDED, *args.screen_tasks, overrides) | {"recipe_arguments": overrides})
             args.output.mkdir(parents=True, exist_ok=True)
             (args.output / "screen.json").write_text(json.dumps(results, indent=2))
             print(json.dumps(results[-1], indent=2), flush=True)
@@ -722,34 +952,54 @@ def main() -> None:
     settings = yaml.safe_load(args.config.read_text())
     if args.step_lambda is not None and not 0.0 <= args.step_lambda < 1.0:
         parser.error(f"--step-lambda must be in [0, 1) (lambda 1 is the GiGPO arm), got {args.step_lambda}")
-    step_lambda = args.step_lambda if args.step_lambda is not None or not args.analyze_only else lambda_of_runs(args.output)
-    arms = methods(step_lambda)
+    arms_file = args.arms or (args.output / "arms.yaml" if args.analyze_only and args.step_lambda is None else None)
+    control = None
+    if arms_file is not None and arms_file.is_file():
+        try:
+            arms, control = read_arms(arms_file)
+        except ValueError as error:
+            parser.error(str(error))
+        if not args.analyze_only and arms_file.resolve() != (args.output / "arms.yaml").resolve():
+            (args.output / "arms.yaml").write_text(arms_file.read_text())
+    elif args.arms is not None:
+        parser.error(f"--arms: no such file {args.arms}")
+    else:
+        step_lambda = args.step_lambda if args.step_lambda is not None or not args.analyze_only else lambda_of_runs(args.output)
+        arms = methods(step_lambda)
     runs = {(method, seed): run_directory(args.output, method, seed) for seed in args.seeds for method in arms}
     if args.reading_probe is not None and args.reading_probe < 1:
         parser.error(f"--reading-probe takes a number of updates >= 1, got {args.reading_probe}")
     if args.reading_probe is not None and settings["env_name"] != "rooms":
         parser.error(f"--reading-probe knows the right action of the rooms environment only, not {settings['env_name']!r}")
+    # One warmed model starts every arm: on prompts of the longest history any arm shows.
+    history = max(int(recipe_value(arguments, "history_length") or settings.get("history_length", 2))
+                  for arguments in ([*arm, *overrides] for arm in arms.values()))
     model = args.model
     if model is None and not args.analyze_only:
-        model = str(warm_up_format(args.output / "warm-tiny-model", settings["env_name"], settings.get("env_kwargs") or {},
-                                   settings["prompt_template"]))
+        folder = "warm-tiny-model" + (f"-history{history}" if history else "")
+        model = str(warm_up_format(args.output / folder, settings["env_name"], settings.get("env_kwargs") or {},
+                                   settings["prompt_template"], history_length=history))
     if args.reading_probe is not None:
-        curve = reading_probe(model, settings, settings["learning_rate"], args.reading_probe)
+        curve = reading_probe(model, settings, settings["learning_rate"], args.reading_probe, history_length=history)
         (args.output / "reading_probe.json").write_text(json.dumps(curve, indent=2))
         return
     if args.parallel and not args.analyze_only:
         check_memory_plan(args.config, model, overrides, len(runs))
-    seconds = {} if args.analyze_only else train_all(runs, arms, args.config, model, overrides, args.parallel)
+    jobs = len(runs) if args.parallel else args.jobs
+    seconds, cpu_seconds = ({}, {}) if args.analyze_only else train_all(runs, arms, args.config, model, overrides, jobs)
     trajectories = {run: read_trajectories(output_dir) for run, output_dir in runs.items()}  # each run's read once
     hint_steps = {run: draught_steps(episodes) for run, episodes in trajectories.items()}
-    rows = curves(runs, hint_steps, trajectories, earlier_entropy(args.entropy_from) if args.entropy_from else {})
+    rows = curves(runs, hint_steps, trajectories, earlier_entropy(args.entropy_from) if args.entropy_from else {},
+                  settings)
     with open(args.output / "learning_curves.csv", "w", newline="") as file:
-        writer = csv.DictWriter(file, fieldnames=list(rows[0]))
+        writer = csv.DictWriter(file, fieldnames=list(dict.fromkeys(name for row in rows for name in row)),
+                                restval=float("nan"))
         writer.writeheader()
         writer.writerows(rows)
     plot(rows, args.output / "learning_curves.png")
     panels = held_out_panels(runs)
-    result = summary(rows, args.seeds, list(arms), panels, args.allow_panel_mismatch) | {"wall_seconds": seconds}
+    result = summary(rows, args.seeds, list(arms), panels, args.allow_panel_mismatch, control) | {
+        "wall_seconds": seconds, "cpu_seconds": cpu_seconds}
     advantages = {f"{method} seed {seed}": draught_advantages(hint_steps[method, seed]) for method, seed in runs}
     if all(advantages.values()):
         result["advantage_by_draught"] = advantages

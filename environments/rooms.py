@@ -10,6 +10,13 @@ task revisit the same rooms, whose anchors repeat across trajectories: exactly w
 groups can tell a good step from a bad one that happened in a winning episode. An idle step in a
 winning episode is such a bad step: the episode's credit rewards it, its step group (the same room,
 where moving on reaches the treasure one discount factor sooner) does not.
+
+With `hint=False` the observation names the room only ("Room 3."), not the draught: nothing in one observation
+says which end holds the treasure or which way the agent already went. The good policy then needs memory ("keep
+going the way you went; turn at the wall"), which only a prompt with history can give it. A deterministic policy of the
+observation alone never reaches both ends (to reach the second it would have to leave a room the other way than it
+did on the way to the first), so it wins at most the tasks on one side; walking always one way wins exactly those.
+The anchor is still the exact state (the treasure's end and the room), never the history.
 """
 
 from __future__ import annotations
@@ -22,15 +29,17 @@ from gigpo_trl.envs import INFO_ADMISSIBLE_ACTIONS, INFO_ANCHOR, INFO_TASK, INFO
 MOVES = ("go west", "go east")
 IDLE_ACTIONS = ("wait", "look around", "listen", "rest")
 TASK = "Find the treasure at one end of the corridor of rooms. The draught blows towards it."
+TASK_WITHOUT_HINT = "Find the treasure at one end of the corridor of rooms."
 
 
 class RoomsEnv(BaseTextEnv):
     """See the module docstring. `num_rooms` must be odd and at least 3 (the start is the middle room);
     `idle_actions` is how many of IDLE_ACTIONS are admissible besides the two moves (0 to 4); `treasure` is
     "seed" (the seed's parity picks the end: even west, odd east) or a fixed "west" or "east" for every task;
-    `max_steps` as in `BaseTextEnv`. `walkthrough` is the shortest way to the treasure."""
+    `hint` whether observations say which way the draught blows (towards the treasure); `max_steps` as in
+    `BaseTextEnv`. `walkthrough` is the shortest way to the treasure."""
 
-    def __init__(self, num_rooms: int = 9, idle_actions: int = 0, treasure: str = "seed", *,
+    def __init__(self, num_rooms: int = 9, idle_actions: int = 0, treasure: str = "seed", hint: bool = True, *,
                  max_steps: int | None = None):
         super().__init__(max_steps=max_steps)
         if not isinstance(num_rooms, int) or num_rooms < 3 or num_rooms % 2 == 0:
@@ -39,7 +48,10 @@ class RoomsEnv(BaseTextEnv):
             raise ValueError(f"idle_actions must be an int from 0 to {len(IDLE_ACTIONS)}, got {idle_actions!r}")
         if treasure not in ("seed", "west", "east"):
             raise ValueError(f"treasure must be 'seed', 'west' or 'east', got {treasure!r}")
+        if not isinstance(hint, bool):
+            raise ValueError(f"hint must be True or False, got {hint!r}")
         self.num_rooms = num_rooms
+        self.hint = hint
         self.treasure = treasure
         self.actions = MOVES + IDLE_ACTIONS[:idle_actions]
         self._room = self._treasure = 0
@@ -67,6 +79,8 @@ class RoomsEnv(BaseTextEnv):
     def _observation(self) -> str:
         if self._room == self._treasure:
             return f"Room {self._room}: you found the treasure!"
+        if not self.hint:
+            return f"Room {self._room}."
         direction = "west" if self._treasure < self._room else "east"
         return f"Room {self._room}. The draught blows {direction}."
 
@@ -75,5 +89,5 @@ class RoomsEnv(BaseTextEnv):
             INFO_ANCHOR: (self._treasure, self._room),
             INFO_ADMISSIBLE_ACTIONS: list(self.actions),
             INFO_WON: self._room == self._treasure,
-            INFO_TASK: TASK,
+            INFO_TASK: TASK if self.hint else TASK_WITHOUT_HINT,
         }

@@ -3,7 +3,11 @@ iteration timing of bench_rollout, and cpu_precision's pass timings."""
 
 from __future__ import annotations
 
+import csv
+import itertools
 import json
+import random
+import re
 from pathlib import Path
 
 import numpy as np
@@ -441,7 +445,8 @@ def test_the_analysis_reads_runs_brought_back_without_their_logs(tmp_path, monke
                    "frac_reward_zero_std": 0.25, "timing/rollout_s": 1.0, "timing/advantages_s": 0.001, "timing/update_s": 2.0}
         return {"step": step, "mode": mode, "rollout": rollout, "metrics": metrics, "step_group_sizes": {"6": 1}}
 
-    loop = [{"steps": [{"observation": o, "action": "move"} for o in ("kitchen", "pantry", "kitchen", "hall")]}]
+    loop = [{"seed": 0, "won": False, "truncated": True, "env_error": None,  # as the records hold an episode
+             "steps": [{"observation": o, "action": "move"} for o in ("kitchen", "pantry", "kitchen", "hall")]}]
     for run, finals in (("gigpo-seed0", 0.5), ("grpo-seed0", 0.25)):
         for step, mode, rollout, success in ((0, "eval", 0, 0.2), (0, "train", 0, 0.1), (1, "train", 1, 0.3),
                                              (2, "eval", 1, finals)):
@@ -506,3 +511,167 @@ def test_the_update_memory_estimate_reproduces_the_h100_runs_and_refuses_the_pla
                                vllm_share=0.3)
     with pytest.raises(SystemExit, match="lower vllm_gpu_memory_utilization"):
         plan_fits(4, with_vllm, h100_gib, "4 runs with vLLM")
+
+
+def test_an_arms_file_names_any_arms_and_its_control(tmp_path):
+    from bench.learning import read_arms, recipe_value, run_directory
+
+    path = tmp_path / "arms.yaml"
+    path.write_text("arms:\n  history 0: [--history_length, 0]\n  history 2, T=1.0: [--history_length, 2, --temperature, 1.0]\n"
+                    "control: history 0\n")
+    arms, control = read_arms(path)
+    assert arms == {"history 0": ["--history_length", "0"],
+                    "history 2, T=1.0": ["--history_length", "2", "--temperature", "1.0"]}
+    assert control == "history 0"
+    assert run_directory(Path("out"), "history 2, T=1.0", 3) == Path("out/history-2-t-1.0-seed3")
+    assert run_directory(Path("out"), "GiGPO lambda 0.5", 0) == Path("out/gigpo-lambda0.5-seed0")  # as before
+    assert recipe_value(["--history_length", "0", "--history_length=2"], "history_length") == "2"
+    assert recipe_value(["--temperature", "1.0"], "history_length") is None
+
+    for text, problem in [
+        ("arms: {}\n", "expected a mapping with 'arms'"),
+        ("arms:\n  a: [--seed, 1]\n", "sets ['--seed'], which the bench sets for every run"),
+        ("arms:\n  a: [--history_length, 0]\ncontrol: b\n", "the control 'b' is not one of the arms ['a']"),
+        ("arms:\n  History 0: []\n  history-0: []\n", "two arms share a run folder"),
+        ("arms:\n  a: [--foo, {x: 1}]\n", "must be a string or a number"),
+        ("arms:\n  a: []\nreading: trap\n", "unknown keys ['reading']"),
+    ]:
+        path.write_text(text)
+        with pytest.raises(ValueError, match=re.escape(problem)):
+            read_arms(path)
+
+
+def trap_rows(method: str, seed: int, entropy: tuple[float, float], west: tuple[float, float],
+              east: tuple[float, float], revisits: tuple[float, float]) -> list[dict]:
+    """40 training updates of one run: the first 20 at the first values, the last 20 at the second."""
+    return [{"method": method, "seed": seed, "mode": "train", "step": step, "success_rate": (w + e) / 2,
+             "entropy": h, "success_treasure_west": w, "success_treasure_east": e, "revisit_share": r}
+            for step in range(40) for h, w, e, r in [tuple(pair[step >= 20] for pair in (entropy, west, east, revisits))]]
+
+
+def test_the_trap_reading_is_the_pre_registered_rule():
+    from bench.learning import trap_reading
+
+    rows = []
+    for seed in range(5):  # the control: entropy halves, one side won, loops stay; seed 4 keeps its entropy
+        rows += trap_rows("history 0", seed, (0.6, 0.1 if seed < 4 else 0.5), (0.3, 1.0), (0.3, 0.0), (0.6, 0.6))
+        # escapes on every seed but seed 2, where the east side is still lost
+        rows += trap_rows("history 2", seed, (0.6, 0.3), (0.3, 0.9), (0.3, 0.1 if seed == 2 else 0.5), (0.6, 0.3))
+        rows += trap_rows("recipe", seed, (0.6, 0.5), (0.3, 0.8), (0.3, 0.6), (0.6, 0.2))
+    rows.append({"method": "recipe", "seed": 0, "mode": "eval", "step": 40, "success_rate": 0.75})
+    reading = trap_reading(rows, ["history 0", "history 2", "recipe"], "history 0")
+
+    assert reading["control"] == "history 0: trap shown on 4 of 5 seeds"
+    assert reading["arms"]["history 2"] == "does not escape: balanced success >= 0.6 on 4 of 5 seeds"
+    assert reading["arms"]["recipe"] == "escapes: balanced success >= 0.6 on 5 of 5 seeds"
+    seed0 = reading["per_seed"]["recipe"]["0"]
+    assert seed0["balanced_success"] == pytest.approx((0.3, 0.7)) and seed0["held_out_last"] == 0.75
+    assert reading["balanced_by_treasure_side"] and seed0["revisit_share"] == pytest.approx((0.6, 0.2))
+
+    # The thresholds as written before the run: entropy down to 0.55 of its start is a fall (at most 0.6), balanced
+    # success 0.55 is at the ceiling (at most 0.5 + 0.05), an arm at 0.61 on every seed escapes (at least 0.6).
+    edge = [row for seed in range(5) for row in trap_rows("c", seed, (1.0, 0.55), (0.3, 1.0), (0.3, 0.1), (0.6, 0.5))]
+    edge += [row for seed in range(5) for row in trap_rows("a", seed, (1.0, 0.9), (0.3, 0.62), (0.3, 0.6), (0.6, 0.3))]
+    edge_reading = trap_reading(edge, ["c", "a"], "c")
+    assert edge_reading["control"] == "c: trap shown on 5 of 5 seeds"
+    assert edge_reading["arms"]["a"].startswith("escapes")
+
+    # One more seed that keeps its entropy: 4 of 6 is under the 80% the rule asks for.
+    rows += trap_rows("history 0", 5, (0.6, 0.5), (0.3, 1.0), (0.3, 0.0), (0.6, 0.6))
+    assert trap_reading(rows, ["history 0"], "history 0")["control"] == "history 0: trap not shown on 4 of 6 seeds"
+    # Steps that stop looping (the memory policy's revisit share is 0.29) do not show the trap.
+    for row in rows:
+        row["revisit_share"] = 0.3
+    assert trap_reading(rows, ["history 0"], "history 0")["control"] == "history 0: trap not shown on 0 of 6 seeds"
+
+
+def test_the_memory_label_keeps_the_last_move_and_turns_at_the_walls_and_wins_every_task():
+    from bench.learning import memory_action
+
+    actions = ["go west", "go east"]
+    assert memory_action("Room 3.", actions, [("Room 4.", "go west")], 9) == 1
+    assert memory_action("Room 3.", actions, [("Room 1.", "go east"), ("Room 2.", "go east")], 9) == 2
+    assert memory_action("Room 0.", actions, [("Room 0.", "go west")], 9) == 2  # the west wall: turn
+    assert memory_action("Room 8.", actions, [("Room 7.", "go east")], 9) == 1
+    for seed in (0, 1):  # from a first move west, the label's policy wins both ends within 4 + 8 steps
+        env = make_env("rooms", num_rooms=9, hint=False)
+        observation, info = env.reset(seed=seed)
+        history = [(observation, "go west")]
+        observation, *_ = env.step("go west")
+        for steps in range(2, 13):
+            action = actions[memory_action(observation, actions, history, 9) - 1]
+            history.append((observation, action))
+            observation, reward, terminated, _, _ = env.step(action)
+            if terminated:
+                break
+        assert reward == 1.0 and steps == (4 if seed == 0 else 12)
+
+
+def test_warm_up_prompts_show_none_or_the_last_k_moves_and_none_at_k_0(tiny_model_path):
+    from transformers import AutoTokenizer
+
+    from bench.learning import state_prompts
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    kwargs = {"num_rooms": 9, "hint": False}
+    without = list(itertools.islice(state_prompts("rooms", kwargs, "numbered", tokenizer, random.Random(0)), 40))
+    assert all(not shown and "most recent steps" not in tokenizer.decode(prompt) for prompt, _, _, shown in without)
+    with_history = list(itertools.islice(state_prompts("rooms", kwargs, "numbered", tokenizer, random.Random(0), 2), 40))
+    shown_counts = {len(shown) for *_, shown in with_history}
+    assert shown_counts == {0, 1, 2}  # none drawn, or the last 2 moves of episodes of 1 move or more
+    for prompt, _, _, shown in with_history:
+        text = tokenizer.decode(prompt)
+        assert ("most recent steps" in text) == bool(shown)
+        assert all(f"Your action: {action}" in text for _, action in shown)
+
+
+def test_the_memoryless_success_is_exact_and_no_memoryless_policy_found_wins_more_than_half():
+    from bench.memoryless_rooms import best_memoryless, memoryless_success
+
+    # 3 rooms, 3 steps, uniform: half win at once; the others reach the far end, come back (1/4) and go on (1/8).
+    assert memoryless_success(np.full(3, 0.5), 3) == pytest.approx(0.5 + 0.5 * 0.5 * 0.5)
+    assert memoryless_success(np.ones(9), 14) == 0.5  # always west: exactly the west tasks
+    assert memoryless_success(np.full(9, 0.5), 14) == pytest.approx(0.30188, abs=1e-5)
+    best, policy = best_memoryless(9, 14, restarts=2)
+    assert 0.5 <= best < 0.51 and len(policy) == 9
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_named_arms_run_two_at_a_time_and_are_read_again_from_their_output(tiny_model_path, tmp_path):
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    arms = tmp_path / "arms.yaml"
+    arms.write_text("arms:\n  no history: [--history_length, 0]\n  history 2, T=1: [--history_length, 2, --temperature, 1.0]\n"
+                    "control: no history\n")
+    output = tmp_path / "out"
+    command = [sys.executable, str(root / "bench" / "learning.py"), "--arms", str(arms), "--jobs", "2", "--seeds", "0",
+               "--config", str(root / "recipes" / "configs" / "learning_trap_cpu.yaml"), "--model", tiny_model_path,
+               "--output", str(output), "--max_steps", "2", "--num_eval_tasks", "4", "--per_device_eval_batch_size", "4",
+               "--eval_steps", "1"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=root)
+
+    assert result.returncode == 0, result.stderr[-4000:]
+    # Each run trained with its arm's arguments (its log's first line is its command).
+    commands = {name: (output / f"{name}-seed0.log").read_text().splitlines()[0] for name in ("no-history", "history-2-t-1")}
+    assert "--history_length 0 --seed 0" in commands["no-history"]
+    assert "--history_length 2 --temperature 1.0 --seed 0" in commands["history-2-t-1"]
+    summary = json.loads((output / "summary.json").read_text())
+    assert summary["methods"] == ["no history", "history 2, T=1"] and summary["control"] == "no history"
+    assert set(summary["decisions"]) == {"history 2, T=1 against no history"} and "decision" not in summary
+    assert set(summary["cpu_seconds"]) == {"no history seed 0", "history 2, T=1 seed 0"}
+    assert all(seconds > 0 for seconds in summary["cpu_seconds"].values())
+    reading = summary["trap_reading"]
+    assert reading["control"].startswith("no history: trap") and set(reading["arms"]) == set(summary["methods"])
+    rows = list(csv.DictReader((output / "learning_curves.csv").open()))
+    train = [row for row in rows if row["mode"] == "train"]
+    assert len(train) == 4 and all(0 <= float(row["revisit_share"]) <= 1 for row in train)  # loops/*, logged
+    assert all(0 <= float(row[f"success_treasure_{side}"]) <= 1 or np.isnan(float(row[f"success_treasure_{side}"]))
+               for row in train for side in ("west", "east"))
+    assert any(not np.isnan(float(row["success_treasure_west"])) for row in train)
+    # --analyze-only reads the arms the runs were started with (OUTPUT/arms.yaml).
+    subprocess.run([*command[:2], "--analyze-only", "--seeds", "0", "--config", command[9], "--output", str(output)],
+                   check=True, capture_output=True, cwd=root)
+    assert json.loads((output / "summary.json").read_text())["methods"] == summary["methods"]

@@ -75,3 +75,34 @@ def test_the_treasure_end_can_be_fixed_for_every_task(treasure, expected):
 def test_an_unknown_treasure_end_is_rejected():
     with pytest.raises(ValueError, match="treasure must be 'seed', 'west' or 'east', got 'north'"):
         make_env("rooms", treasure="north")
+
+
+def test_without_the_hint_observations_name_the_room_only_and_anchors_stay_the_exact_state():
+    env = make_env("rooms", num_rooms=5, hint=False)
+    observation, info = env.reset(seed=1)  # the treasure east
+    assert observation == "Room 2." and info["task"] == "Find the treasure at one end of the corridor of rooms."
+
+    steps = play(env, ["go west", "go west", "go west", "go east"])  # to the west wall, into it, and back
+    assert [observation for observation, *_ in steps] == ["Room 1.", "Room 0.", "Room 0.", "Room 1."]
+    # Room 1 looks the same whichever way the agent came, and its anchor is the same: the state, not the history.
+    assert [info["anchor"] for *_, info in steps] == [(4, 1), (4, 0), (4, 0), (4, 1)]
+    assert not any(terminated or reward for _, reward, terminated, _, _ in steps)
+
+    west_task = make_env("rooms", num_rooms=5, hint=False)
+    west_task.reset(seed=0)
+    observation, _, _, _, info = west_task.step("go west")
+    assert observation == "Room 1." and info["anchor"] == (0, 1)  # the same text, another state (the treasure's end)
+    check_env(make_env("rooms", num_rooms=5, hint=False))
+
+
+def test_without_the_hint_the_draught_is_never_mentioned_and_the_treasure_is_still_found():
+    env = make_env("rooms", num_rooms=5, hint=False)
+    env.reset(seed=1)  # treasure east
+    steps = play(env, ["go east", "go east"])
+    assert [observation for observation, *_ in steps] == ["Room 3.", "Room 4: you found the treasure!"]
+    assert steps[-1][1] == 1.0 and steps[-1][4]["won"]
+
+
+def test_a_hint_that_is_not_a_bool_is_rejected():
+    with pytest.raises(ValueError, match="hint must be True or False, got 'no'"):
+        make_env("rooms", hint="no")
