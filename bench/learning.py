@@ -74,6 +74,8 @@ import numpy as np
 from gigpo_trl.records import read_evaluations, read_iterations, read_trajectories
 
 ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # run as a script (python bench/learning.py): bench.update_memory, as the tests import it
+    sys.path.insert(0, str(ROOT))
 EMBEDDED = "embedded:SmolLM2-135M-Instruct"
 PAPER, BASELINE = "GiGPO", "GRPO (omega=0)"
 SUCCESS_TARGETS = (0.5, 0.8)  # training success (trailing mean of 5) whose first iteration is reported per seed

@@ -35,8 +35,8 @@ def row_chunks(inputs: dict[str, Any], size: int | None) -> list[dict[str, Any]]
              for key, value in inputs.items()} for start in range(0, rows, size)]
 
 
-def rollout_token_normalizer(num_items_in_batch: torch.Tensor, *, num_processes: int, accumulation_steps: int,
-                             steps_per_generation: int, training: bool) -> torch.Tensor:
+def rollout_token_normalizer(num_items_in_batch: torch.Tensor, *, num_processes: int, accumulation_steps: int | None,
+                             steps_per_generation: int) -> torch.Tensor:
     """What GRPOTrainer divides a micro-batch's summed token loss by under the loss types "dapo", "cispo" and
     "vespo": the real completion tokens of the whole generation batch (all processes) per process, rescaled to one
     accumulation window in training. Summed over the micro-batches of an optimizer step and averaged over processes,
@@ -44,9 +44,11 @@ def rollout_token_normalizer(num_items_in_batch: torch.Tensor, *, num_processes:
 
     Args:
         num_items_in_batch: 0-dim, the real completion tokens of the generation batch on all processes.
+        accumulation_steps: the Trainer's current gradient accumulation steps in training; None in evaluation, where the
+            batch is neither split across steps nor accumulated.
     """
     normalizer = num_items_in_batch.clamp(min=1.0) / num_processes
-    if training:  # in evaluation the batch is neither split across steps nor accumulated
+    if accumulation_steps is not None:
         normalizer = normalizer * accumulation_steps / steps_per_generation
     return normalizer
 

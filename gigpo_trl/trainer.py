@@ -485,8 +485,9 @@ class GiGPOTrainer(GRPOTrainer):
             mask = mask * self.get_high_entropy_mask(entropies, mask, 1 - self.top_entropy_quantile)
         normalizer = rollout_token_normalizer(
             inputs["num_items_in_batch"], num_processes=self.accelerator.num_processes,
-            accumulation_steps=self.current_gradient_accumulation_steps,
-            steps_per_generation=self.args.steps_per_generation, training=mode == "train")
+            # set by the Trainer's training loop only (an evaluation may run before it)
+            accumulation_steps=self.current_gradient_accumulation_steps if mode == "train" else None,
+            steps_per_generation=self.args.steps_per_generation)
         coef = self.entropy_coef
         if self.use_adaptive_entropy:
             coef = coef if self._last_world_entropy <= self.args.entropy_target else 0.0

@@ -34,14 +34,14 @@ def test_rollout_token_normalizer_and_bonus_give_the_token_mean_over_an_optimize
                  torch.tensor([[4.0, 5.0, 6.0]]), torch.tensor([[7.0, 8.0, 9.0]])]  # process 1's
     masks = [torch.tensor([[1.0, 1.0, 0.0]]), torch.tensor([[1.0, 0.0, 0.0]]), torch.ones(1, 3), torch.ones(1, 3)]
     normalizer = rollout_token_normalizer(torch.tensor(9.0), num_processes=2, accumulation_steps=2,
-                                          steps_per_generation=2, training=True)
+                                          steps_per_generation=2)
     per_process = [sum(entropy_bonus(h, m, normalizer, 0.5) for h, m in zip(entropies[k:k + 2], masks[k:k + 2]))
                    for k in (0, 2)]
     real = torch.cat([h[m.bool()] for h, m in zip(entropies, masks)])
     assert real.numel() == 9
     assert sum(per_process) / 2 == pytest.approx(0.5 * real.mean().item())
-    assert rollout_token_normalizer(torch.tensor(9.0), num_processes=2, accumulation_steps=2, steps_per_generation=2,
-                                    training=False) == pytest.approx(4.5)
+    assert rollout_token_normalizer(torch.tensor(9.0), num_processes=2, accumulation_steps=None,
+                                    steps_per_generation=2) == pytest.approx(4.5)  # evaluation
 
 
 def test_adaptive_entropy_coef_rises_below_the_target_and_falls_above_within_its_bounds():
@@ -199,3 +199,15 @@ def test_the_kl_term_is_the_k3_estimate_over_the_real_tokens_only(tmp_path, tiny
     loss_and_gradient(trainer, [batch])
     expected = torch.exp(torch.tensor(0.1)) - 0.1 - 1  # k3: exp(ref - logp) - (ref - logp) - 1
     assert trainer._metrics["train"]["kl"][-1] == pytest.approx(expected.item(), rel=1e-4)
+
+
+def test_an_evaluation_before_any_training_step_computes_the_bonus(tmp_path, tiny_model_path):
+    # The Trainer sets its accumulation state in its training loop only; the recipes evaluate before it (eval_on_start).
+    config = settings_config(tmp_path, entropy_coef=0.01, max_env_steps=3, env_processes=False,
+                             per_device_eval_batch_size=4, num_generations_eval=2)
+    trainer = GiGPOTrainer(tiny_model_path, args=config, train_dataset=task_dataset(range(4)),
+                           eval_dataset=task_dataset(range(100, 102)))
+    assert not hasattr(trainer, "current_gradient_accumulation_steps")
+    metrics = trainer.evaluate()
+    assert torch.isfinite(torch.tensor(metrics["eval_loss"]))
+    trainer.close_environments()
