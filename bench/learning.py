@@ -394,11 +394,12 @@ def longest_prompt_tokens(args, tokenizer) -> int:
     return len(prompt["input_ids"]) + args.max_completion_length
 
 
-def check_memory_plan(config: Path, model: str, overrides: list[str], num_runs: int) -> None:
-    """Refuse to start `num_runs` runs at once that cannot fit the GPU (or, without one, the host's free memory):
-    each run's weights, gradients and AdamW moments (and a reference model), one loss pass of
-    max_step_samples_per_micro_batch rows (a whole micro-batch without it) at the longest step sample, and vLLM
-    colocate's share (`bench/update_memory.py`; its coefficient was measured on CPU, docs/performance.md)."""
+def check_memory_plan(config: Path, model: str, run_arguments: Sequence[Sequence[str]]) -> None:
+    """Refuse to start at once runs that cannot fit the GPU (or, without one, the host's free memory), one per entry
+    of `run_arguments` (its recipe arguments: its arm's and the command line's): each run's weights, gradients and
+    AdamW moments (and a reference model), one loss pass of max_step_samples_per_micro_batch rows (a whole micro-batch
+    without it) at the config's longest step sample, and vLLM colocate's share (`bench/update_memory.py`,
+    docs/performance.md)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from trl import ModelConfig, TrlParser
@@ -407,31 +408,39 @@ def check_memory_plan(config: Path, model: str, overrides: list[str], num_runs: 
     from gigpo_trl import GiGPOConfig, TaskArguments
     from gigpo_trl.models import resolve_model
 
-    _, args, _ = TrlParser((TaskArguments, GiGPOConfig, ModelConfig)).parse_args_and_config(
-        args=["--config", str(config), "--output_dir", str(ROOT / "outputs" / "memory_plan"), *overrides])
     path = resolve_model(model)
     model_config = AutoConfig.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
     with torch.device("meta"):
         parameters = sum(p.numel() for p in AutoModelForCausalLM.from_config(model_config).parameters())
-    micro_batch = args.per_device_train_batch_size * args.max_env_steps  # its step samples at most
-    rows = min(args.max_step_samples_per_micro_batch or micro_batch, micro_batch)
-    tokens = longest_prompt_tokens(args, AutoTokenizer.from_pretrained(path))
     if torch.cuda.is_available():
         kind, device, total = "cuda", torch.cuda.get_device_name(), torch.cuda.mem_get_info()[1] / 2**30
     else:
         import psutil
 
         kind, device, total = "cpu", "the host (no GPU)", psutil.virtual_memory().available / 2**30
-    coefficient = BYTES_PER_TOKEN_LAYER_HIDDEN[kind, "bf16" if args.bf16 else "fp32"] * model_config.hidden_size
-    pass_gib = pass_memory_gib(coefficient, rows, tokens, model_config.num_hidden_layers)
-    vllm_share = args.vllm_gpu_memory_utilization if args.use_vllm and args.vllm_mode == "colocate" else None
-    per_run = run_memory_gib(parameters, pass_gib=pass_gib, reference_model=args.beta != 0.0, total_gib=total,
+
+    def one_run(arguments: tuple[str, ...]) -> tuple[float, str]:
+        _, args, _ = TrlParser((TaskArguments, GiGPOConfig, ModelConfig)).parse_args_and_config(
+            args=["--config", str(config), "--output_dir", str(ROOT / "outputs" / "memory_plan"), *arguments])
+        micro_batch = args.per_device_train_batch_size * args.max_env_steps  # its step samples at most
+        rows = min(args.max_step_samples_per_micro_batch or micro_batch, micro_batch)
+        tokens = longest_prompt_tokens(args, tokenizer)
+        coefficient = BYTES_PER_TOKEN_LAYER_HIDDEN[kind, "bf16" if args.bf16 else "fp32"] * model_config.hidden_size
+        pass_gib = pass_memory_gib(coefficient, rows, tokens, model_config.num_hidden_layers)
+        vllm_share = args.vllm_gpu_memory_utilization if args.use_vllm and args.vllm_mode == "colocate" else None
+        gib = run_memory_gib(parameters, pass_gib=pass_gib, reference_model=args.beta != 0.0, total_gib=total,
                              vllm_share=vllm_share)
-    plan = (f"{num_runs} runs x {per_run:.1f} GiB (weights, gradients and AdamW {parameters / 1e6:.0f}M parameters; "
-            f"one loss pass of {rows} step samples x {tokens} tokens: {pass_gib:.1f} GiB"
-            + (f"; vLLM colocate {vllm_share:g} of the GPU" if vllm_share else "") + f") on {device} ({total:.1f} GiB)")
-    plan_fits(num_runs, per_run, total, plan)
-    print(f"memory plan: {plan} = {num_runs * per_run:.1f} GiB", flush=True)
+        return gib, (f"{gib:.1f} GiB (one loss pass of {rows} step samples x {tokens} tokens: {pass_gib:.1f} GiB"
+                     + (f"; vLLM colocate {vllm_share:g} of the GPU" if vllm_share else "") + ")")
+
+    estimates = {arguments: one_run(arguments) for arguments in dict.fromkeys(map(tuple, run_arguments))}
+    needed = sum(estimates[tuple(arguments)][0] for arguments in run_arguments)
+    plan = (f"{len(run_arguments)} runs of {parameters / 1e6:.0f}M parameters (weights, gradients and AdamW "
+            f"{parameters * 16 / 2**30:.1f} GiB each), " + ", ".join(sorted({text for _, text in estimates.values()}))
+            + f", on {device} ({total:.1f} GiB)")
+    plan_fits(needed, total, plan)
+    print(f"memory plan: {plan}: {needed:.1f} GiB", flush=True)
 
 
 def screen(config: Path, model: str, eval_tasks: int, sampled_tasks: int, copies: int,
@@ -986,7 +995,7 @@ def main() -> None:
         (args.output / "reading_probe.json").write_text(json.dumps(curve, indent=2))
         return
     if args.parallel and not args.analyze_only:
-        check_memory_plan(args.config, model, overrides, len(runs))
+        check_memory_plan(args.config, model, [[*arms[method], *overrides] for method, _ in runs])
     jobs = len(runs) if args.parallel else args.jobs
     seconds, cpu_seconds = ({}, {}) if args.analyze_only else train_all(runs, arms, args.config, model, overrides, jobs)
     trajectories = {run: read_trajectories(output_dir) for run, output_dir in runs.items()}  # each run's read once

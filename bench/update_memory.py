@@ -59,11 +59,12 @@ def run_memory_gib(parameters: int, *, pass_gib: float, reference_model: bool, t
     return weights + pass_gib + (vllm_share or 0.0) * total_gib
 
 
-def plan_fits(num_runs: int, per_run_gib: float, total_gib: float, plan: str) -> None:
-    """Raise SystemExit naming the plan when `num_runs` runs of `per_run_gib` each need more than 95% of `total_gib`."""
-    if num_runs * per_run_gib > 0.95 * total_gib:
-        raise SystemExit(f"--parallel: the plan does not fit: {plan} = {num_runs * per_run_gib:.1f} GiB. Start fewer runs "
-                         "at once (--seeds), lower max_step_samples_per_micro_batch (it changes only the memory), or lower "
+def plan_fits(needed_gib: float, total_gib: float, plan: str) -> None:
+    """Raise SystemExit naming the plan when runs that need `needed_gib` in all would take more than 95% of
+    `total_gib`."""
+    if needed_gib > 0.95 * total_gib:
+        raise SystemExit(f"--parallel: the plan does not fit: {plan}: {needed_gib:.1f} GiB. Start fewer runs at once "
+                         "(--seeds), lower max_step_samples_per_micro_batch (it changes only the memory), or lower "
                          "vllm_gpu_memory_utilization")
 
 

@@ -503,14 +503,14 @@ def test_the_update_memory_estimate_reproduces_the_h100_runs_and_refuses_the_pla
 
     assert 21 <= per_run(64) <= 25  # measured: one process peaked at about 23 GiB with 64 samples per pass
     with pytest.raises(SystemExit, match="the plan does not fit: 9 runs"):
-        plan_fits(9, per_run(64), h100_gib, "9 runs")  # setting D as designed: all 9 died of CUDA out of memory
-    plan_fits(4, per_run(16), h100_gib, "4 runs")  # as run: 3-4 runs at 16 per pass took 26-36 GiB in all
+        plan_fits(9 * per_run(64), h100_gib, "9 runs")  # setting D as designed: all 9 died of CUDA out of memory
+    plan_fits(4 * per_run(16), h100_gib, "4 runs")  # as run: 3-4 runs at 16 per pass took 26-36 GiB in all
     assert 4 * per_run(16) <= 36
     # vLLM colocate's share counts once per run: 4 runs at TRL's default 0.3 of the GPU cannot share it.
     with_vllm = run_memory_gib(smollm2["parameters"], pass_gib=1.0, reference_model=False, total_gib=h100_gib,
                                vllm_share=0.3)
     with pytest.raises(SystemExit, match="lower vllm_gpu_memory_utilization"):
-        plan_fits(4, with_vllm, h100_gib, "4 runs with vLLM")
+        plan_fits(4 * with_vllm, h100_gib, "4 runs with vLLM")
 
 
 def test_an_arms_file_names_any_arms_and_its_control(tmp_path):
