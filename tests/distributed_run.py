@@ -93,6 +93,11 @@ def main(options: argparse.Namespace) -> None:
             "processes": trainer.accelerator.num_processes, "logs": logs, "evaluation": evaluation, "rollouts": rollouts,
             **backend}))
         torch.save({"before": before, "after": after, "synced": synced}, Path(options.output_dir, "parameters.pt"))
+    # An orderly end: no process tears its gloo connections down while another still uses them (CI once saw process 1
+    # abort, SIGABRT, at the end of a run that passes here every time).
+    trainer.accelerator.wait_for_everyone()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 def lora_syncs(trainer: ScriptedTrainer, count: int = 3) -> dict[str, torch.Tensor]:

@@ -23,5 +23,9 @@ def test_the_quickstart_notebook_executes(tmp_path):
     assert "TreasureRooms follows the contract" in outputs
     assert "step 3: success" in outputs
     assert "Trajectory viewer:" in outputs
+    # The report's figures, each shown once: the run has no evaluation panel and no dynamic sampling, so no panel.png
+    # or dynamic_sampling.png.
+    figures = ["advantages.png", "health.png", "loops.png", "outcomes.png", "step_groups.png"]
+    assert all(f"{name}\n" in outputs for name in figures)
     images = [o for cell in notebook.cells for o in cell.get("outputs", []) if "image/png" in o.get("data", {})]
-    assert len(images) == 3
+    assert len(images) == len(figures)
