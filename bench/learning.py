@@ -856,6 +856,22 @@ def decision(rows: list[dict], first: str = PAPER, second: str = BASELINE, panel
     return f"undecided: neither method is above the other on every seed ({len(seeds)}){anyway}"
 
 
+def cut_at_common_evaluation(rows: list[dict]) -> tuple[list[dict], int]:
+    """The budget rule of the GPU settings (docs/results.md, settings D and D2): runs stopped at a fixed time are
+    compared at the last held-out evaluation that every run reached. Returns the rows up to that step (training and
+    evaluation) and the step. Raises ValueError when some run has no evaluation at all."""
+    last: dict[tuple[str, int], int] = {}
+    for row in rows:
+        last.setdefault((row["method"], row["seed"]), -1)
+        if row["mode"] == "eval":
+            last[row["method"], row["seed"]] = max(last[row["method"], row["seed"]], row["step"])
+    missing = sorted(f"{method} seed {seed}" for (method, seed), step in last.items() if step < 0)
+    if missing:
+        raise ValueError(f"no held-out evaluation to cut at: {', '.join(missing)} evaluated nothing")
+    step = min(last.values())
+    return [row for row in rows if row["step"] <= step], step
+
+
 def held_out_panels(runs: dict[tuple[str, int], Path]) -> Panels:
     """Per run, the tasks each of its evaluations played, by training step (the latest evaluation at a step, as the
     curves keep it): from OUTPUT_DIR/gigpo/evaluations.jsonl; None for an evaluation recorded without them (records
@@ -941,6 +957,9 @@ def main() -> None:
     at_once.add_argument("--jobs", type=int, default=1, metavar="N", help="at most N runs at once, in order (default 1; "
                          "on a few CPU cores with OMP_NUM_THREADS=1, one run a core)")
     parser.add_argument("--detach", action="store_true", help="run in a new process session, output to OUTPUT/learning.log")
+    parser.add_argument("--cut-at-common-evaluation", action="store_true",
+                        help="compare the runs up to the last held-out evaluation every run reached (the budget rule "
+                        "of runs stopped at a fixed time); the summary says the step (cut_at_step)")
     parser.add_argument("--screen-tasks", type=int, nargs=3, default=[32, 4, 8], metavar=("EVAL", "SAMPLED", "COPIES"),
                         help="--screen's held-out tasks, sampled tasks and copies per sampled task")
     args, overrides = parser.parse_known_args()  # the rest goes to the recipe, e.g. --max_steps 100
@@ -1002,6 +1021,10 @@ def main() -> None:
     hint_steps = {run: draught_steps(episodes) for run, episodes in trajectories.items()}
     rows = curves(runs, hint_steps, trajectories, earlier_entropy(args.entropy_from) if args.entropy_from else {},
                   settings)
+    cut_at_step = None
+    if args.cut_at_common_evaluation:
+        rows, cut_at_step = cut_at_common_evaluation(rows)
+        print(f"compared up to update {cut_at_step}: the last held-out evaluation every run reached", flush=True)
     with open(args.output / "learning_curves.csv", "w", newline="") as file:
         writer = csv.DictWriter(file, fieldnames=list(dict.fromkeys(name for row in rows for name in row)),
                                 restval=float("nan"))
@@ -1009,8 +1032,10 @@ def main() -> None:
         writer.writerows(rows)
     plot(rows, args.output / "learning_curves.png")
     panels = held_out_panels(runs)
+    if cut_at_step is not None:
+        panels = {run: {step: tasks for step, tasks in by_step.items() if step <= cut_at_step} for run, by_step in panels.items()}
     result = summary(rows, args.seeds, list(arms), panels, args.allow_panel_mismatch, control) | {
-        "wall_seconds": seconds, "cpu_seconds": cpu_seconds}
+        "wall_seconds": seconds, "cpu_seconds": cpu_seconds} | ({"cut_at_step": cut_at_step} if cut_at_step is not None else {})
     advantages = {f"{method} seed {seed}": draught_advantages(hint_steps[method, seed]) for method, seed in runs}
     if all(advantages.values()):
         result["advantage_by_draught"] = advantages

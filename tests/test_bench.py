@@ -332,6 +332,37 @@ def test_the_comparison_refuses_held_out_figures_of_runs_whose_panels_differ_unl
         "the held-out panels differ: GRPO (omega=0) seed 0 at step 0 played 2 of the 3 tasks (not: seed 1000002)")
 
 
+def test_runs_stopped_at_a_fixed_time_are_compared_at_the_last_evaluation_every_run_reached(tmp_path):
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    # GRPO seed 1 was stopped before its evaluation at step 4; at step 2 GiGPO is above on both seeds, at 4 it is not.
+    for seed in (0, 1):
+        write_run(tmp_path / f"gigpo-seed{seed}", {0: 0.2, 2: 0.6, 4: 0.1}, {})
+        write_run(tmp_path / f"grpo-seed{seed}", {0: 0.2, 2: 0.5} if seed else {0: 0.2, 2: 0.5, 4: 0.7}, {})
+    command = [sys.executable, str(root / "bench" / "learning.py"), "--analyze-only", "--seeds", "0", "1", "--output",
+               str(tmp_path)]
+
+    subprocess.run([*command, "--cut-at-common-evaluation"], check=True, capture_output=True, cwd=root)
+    cut = json.loads((tmp_path / "summary.json").read_text())
+    subprocess.run(command, check=True, capture_output=True, cwd=root)
+    whole = json.loads((tmp_path / "summary.json").read_text())
+
+    assert cut["cut_at_step"] == 2 and "cut_at_step" not in whole
+    assert cut["decision"] == "decided: GiGPO above GRPO (omega=0) on every seed (2)"
+    # Without the cut each run's own last evaluation counts: GiGPO's at step 4 against GRPO seed 1's at step 2.
+    assert whole["decision"] == "decided: GRPO (omega=0) above GiGPO on every seed (2)"
+    curves = list(csv.DictReader((tmp_path / "learning_curves.csv").open()))
+    assert max(int(row["step"]) for row in curves) == 4  # the last analysis (without the cut) kept every row
+
+    from bench.learning import cut_at_common_evaluation
+
+    rows = [{"method": "GiGPO", "seed": 0, "mode": "train", "step": 1}]
+    with pytest.raises(ValueError, match="GiGPO seed 0 evaluated nothing"):
+        cut_at_common_evaluation(rows)
+
+
 def test_cpu_precision_kernels_time_every_pass_in_both_precisions(tiny_model_path, tmp_path):
     from bench.cpu_precision import main
 
