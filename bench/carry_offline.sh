@@ -7,12 +7,12 @@
 # parts, and everything is packed into batches of at most CAP_MIB (one device call each) with SHA256SUMS and unpack.sh
 # in the last one.
 #
-#   [JAVA=1] [VLLM=1 [SLIM=1]] [CAP_MIB=60] [OUT=.carry] bash bench/carry_offline.sh    # -> OUT/b1 .. OUT/bN
+#   [JAVA=1] [VLLM=1 [SLIM=1]] [CAP_MIB=54] [OUT=.carry] bash bench/carry_offline.sh    # -> OUT/b1 .. OUT/bN
 #   # on the machine, once every batch has arrived under .carry/:
 #   bash .carry/bN/unpack.sh DIR && source DIR/env.sh    # PYTHONPATH, PATH (java), VLLM_USE_FLASHINFER_SAMPLER
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd); OUT=${OUT:-$ROOT/.carry}; DL=$OUT/download
-CAP=$(( ${CAP_MIB:-60} * 1024 * 1024 ))
+CAP=$(( ${CAP_MIB:-54} * 1024 * 1024 ))  # 64 MiB a device call, less the repository (7.1 MiB)
 PYTHON=${PYTHON:-python3}
 rm -rf "$DL" "$OUT"/b*; mkdir -p "$DL/wheels"
 
