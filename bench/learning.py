@@ -63,6 +63,7 @@ import os
 import random
 import re
 import shlex
+import socket
 import subprocess
 import sys
 import time
@@ -336,7 +337,19 @@ def start_run(config: Path, model: str, method_arguments: list[str], seed: int, 
     with open(run_log(output_dir), "w") as log:
         log.write(shlex.join(command) + "\n")
         log.flush()
-        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=run_environment())
+
+
+def run_environment() -> dict[str, str]:
+    """A run's environment: this one's, with a port of its own for torch.distributed (`MASTER_PORT`, unless set).
+    Runs started at once each set up a process group of one (vLLM colocate does), and TRL picks the first free of a
+    few fixed ports: two runs starting together both take 29500 and the second dies (EADDRINUSE)."""
+    if "MASTER_PORT" in os.environ:
+        return dict(os.environ)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("localhost", 0))
+        port = probe.getsockname()[1]  # an ephemeral port: two runs' coincide about once in 28,000
+    return {**os.environ, "MASTER_PORT": str(port)}
 
 
 def train_all(runs: dict[tuple[str, int], Path], arms: dict[str, list[str]], config: Path, model: str,

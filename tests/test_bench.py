@@ -363,6 +363,16 @@ def test_runs_stopped_at_a_fixed_time_are_compared_at_the_last_evaluation_every_
         cut_at_common_evaluation(rows)
 
 
+def test_runs_started_at_once_get_ports_of_their_own_unless_the_user_set_one(monkeypatch):
+    from bench.learning import run_environment
+
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    ports = {run_environment()["MASTER_PORT"] for _ in range(2)}  # ephemeral ports: equal about once in 28,000
+    assert len(ports) == 2 and all(1024 < int(port) < 65536 for port in ports)
+    monkeypatch.setenv("MASTER_PORT", "31337")
+    assert run_environment()["MASTER_PORT"] == "31337"
+
+
 def test_cpu_precision_kernels_time_every_pass_in_both_precisions(tiny_model_path, tmp_path):
     from bench.cpu_precision import main
 
