@@ -1,6 +1,6 @@
 """Step credit on the base model's own rollouts (issues 32 and 40): does GiGPO's step advantage rank a move that brings
 the agent closer to a win above one that does not, better than the episode advantage of step-wise GRPO? And does the
-bootstrapped step value of GIGPO_SPEC.md section 9 (lambda < 1) rank the moves of losing episodes, which lambda 1 ties?
+bootstrapped step value of docs/algorithm.md (lambda < 1) rank the moves of losing episodes, which lambda 1 ties?
 
     python bench/credit_probe.py                                 # the design of docs/results.md, "Bootstrapped step values"
     python bench/credit_probe.py --seeds 0                       # a reduced run: the full run's first seed
@@ -95,7 +95,7 @@ LABELS = ("progress", "neutral", "regress")
 # Pairs of labels inside a step group, the better one first.
 PAIR_KINDS = (("progress", "neutral"), ("progress", "regress"), ("neutral", "regress"))
 SIGNALS = ("GiGPO", "GRPO (omega=0)", "A_S alone")  # the paper's step value (lambda 1) against the episode's alone
-LAMBDAS = (0.9, 0.5, 0.0)  # the bootstrapped step values of GIGPO_SPEC.md section 9 measured beside lambda 1
+LAMBDAS = (0.9, 0.5, 0.0)  # the bootstrapped step values of docs/algorithm.md measured beside lambda 1
 VALUE_SOURCES = ("", "shuffled V, ", "optimal V, ")  # the group's estimate; the controls: shuffled, breadth-first
 SHUFFLES = 10  # draws of the shuffled-values control, averaged
 ZERO = 1e-9  # |A| at most this is 0; two advantages this close are tied

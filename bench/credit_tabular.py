@@ -10,7 +10,7 @@ second. The policy is a softmax table with one row of logits per observation tex
 observation from the first update. Everything else is the project's: the environment and its settings come from the
 recipe config (env, tasks per rollout, copies, max steps, gamma, norm, episode statistics), and the advantages are
 `compute_gigpo_advantages` with omega = 1 (GiGPO) or 0 (step-wise GRPO), and with `--lambdas` GiGPO with the
-bootstrapped step value of GIGPO_SPEC.md section 9 (`step_lambda`). The update follows the policy gradient of
+bootstrapped step value of docs/algorithm.md (`step_lambda`). The update follows the policy gradient of
 the mean over step rows of A * log pi(a | observation), one step per rollout, the same for both methods.
 
 GiGPO's advantage A_E + A_S has a larger scale than A_E alone (1.4-3.9x the standard deviation in rooms), so at one
