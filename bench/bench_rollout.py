@@ -457,7 +457,8 @@ def main(argv: list[str] | None = None) -> None:
         import torch
 
         if not torch.cuda.is_available():  # vLLM's CPU build (docs/gpu.md, "vLLM on CPU")
-            from vllm_cpu import keep_weights_for_sync, use_cpu_engine_environment  # bench/ is this script's folder
+            sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root, for scripts/
+            from scripts.vllm_cpu import keep_weights_for_sync, use_cpu_engine_environment
 
             use_cpu_engine_environment()
             keep_weights_for_sync()

@@ -1,8 +1,8 @@
 """Which distributions `vllm serve` imports beyond what a colocated generation imports: the wheels an offline machine
-needs for the server mode on top of those for colocate (bench/carry_offline.sh, VLLM=1). Run in the vLLM-on-CPU
+needs for the server mode on top of those for colocate (scripts/carry_offline.sh, VLLM=1). Run in the vLLM-on-CPU
 environment (docs/gpu.md, "vLLM on CPU"); it starts vLLM's CPU engine twice on the tiny model (a few minutes):
 
-    .venv-vllm/bin/python bench/vllm_serve_imports.py
+    .venv-vllm/bin/python scripts/vllm_serve_imports.py
 
 Each side runs in its own process and writes, when it exits, the distributions of every module it imported:
 `colocate` builds an `LLM` and generates 4 tokens, `serve` runs `vllm serve` until it has answered one completion.

@@ -7,7 +7,7 @@
 # parts, and everything is packed into batches of at most CAP_MIB (one device call each) with SHA256SUMS and unpack.sh
 # in the last one.
 #
-#   [JAVA=1] [VLLM=1 [SLIM=1]] [CAP_MIB=54] [OUT=.carry] bash bench/carry_offline.sh    # -> OUT/b1 .. OUT/bN
+#   [JAVA=1] [VLLM=1 [SLIM=1]] [CAP_MIB=54] [OUT=.carry] bash scripts/carry_offline.sh    # -> OUT/b1 .. OUT/bN
 #   # on the machine, once every batch has arrived under .carry/:
 #   bash .carry/bN/unpack.sh DIR && source DIR/env.sh    # PYTHONPATH, PATH (java), VLLM_USE_FLASHINFER_SAMPLER
 set -euo pipefail
