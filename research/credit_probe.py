@@ -2,9 +2,9 @@
 the agent closer to a win above one that does not, better than the episode advantage of step-wise GRPO? And does the
 bootstrapped step value of docs/algorithm.md (lambda < 1) rank the moves of losing episodes, which lambda 1 ties?
 
-    python bench/credit_probe.py                                 # the design of docs/results.md, "Bootstrapped step values"
-    python bench/credit_probe.py --seeds 0                       # a reduced run: the full run's first seed
-    python bench/credit_probe.py --configs C.yaml --model M      # other games (recipe configs) or another model
+    python research/credit_probe.py                                 # the design of research/settings/lambda_probe/README.md
+    python research/credit_probe.py --seeds 0                       # a reduced run: the full run's first seed
+    python research/credit_probe.py --configs C.yaml --model M      # other games (recipe configs) or another model
 
 No training: for each game (a recipe config: environment, tasks, prompt template, history, temperature, answer length,
 and the advantage settings gamma, norm, episode statistics, invalid-action penalty) and each seed, the model plays
@@ -53,8 +53,8 @@ Measured per signal, N and seed (then the mean and min-max over seeds):
                      ties that it does not ("newly untied"), with the accuracy on them.
     losing episodes  the shares of progress steps and of regress steps of losing episodes whose A_S is positive.
 Each also on the rows of task groups that hold a win and on the others (a group without a win ties every signal).
-Reading rules (stated before the runs, docs/results.md): on a game, the step signal beats the episode signal when
-GiGPO's pairwise ranking accuracy at N = --decide-at is above GRPO's on every seed; it loses when below on every seed;
+Reading rules (stated before the runs, research/settings/step_credit_probe/README.md): on a game, the step signal
+beats the episode signal when GiGPO's pairwise ranking accuracy at N = --decide-at is above GRPO's on every seed; it loses when below on every seed;
 otherwise undecided. A lambda beats lambda 1 when GiGPO's accuracy with it is above lambda 1's on every seed whose
 groups hold a win (seeds that won nothing are reported, not counted; at least 2 must count); loses when below on every
 such seed; otherwise undecided. The lambda for the learning comparisons: of those that beat lambda 1 on every game, the
@@ -90,7 +90,7 @@ from gigpo_trl.shortest_paths import shortest_path_length
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIGS = [ROOT / "recipes" / "configs" / "learning_coin_gpu.yaml",
-                   ROOT / "bench" / "screen_configs" / "rooms5_idle2.yaml"]
+                   ROOT / "research" / "configs" / "screens" / "rooms5_idle2.yaml"]
 LABELS = ("progress", "neutral", "regress")
 # Pairs of labels inside a step group, the better one first.
 PAIR_KINDS = (("progress", "neutral"), ("progress", "regress"), ("neutral", "regress"))
@@ -593,8 +593,8 @@ def seeds_with_a_win(game: dict[str, Any], decide_at: int) -> list[str]:
 
 
 def lambda_verdict(game: dict[str, Any], decide_at: int, step_lambda: float) -> str:
-    """The reading rule of the bootstrapped step value (docs/results.md, written before the run): on one game at N =
-    `decide_at`, lambda beats lambda 1 when GiGPO's ranking accuracy with it is above GiGPO's at lambda 1 on every seed
+    """The reading rule of the bootstrapped step value (research/settings/lambda_probe/README.md, written before the
+    run): on one game at N = `decide_at`, lambda beats lambda 1 when GiGPO's ranking accuracy with it is above GiGPO's at lambda 1 on every seed
     whose groups hold a win, loses when below on every such seed, otherwise undecided; a seed that won nothing ties
     every signal and is reported, not counted; fewer than 2 counted seeds decide nothing."""
     counted = seeds_with_a_win(game, decide_at)

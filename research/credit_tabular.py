@@ -1,10 +1,10 @@
 """Step credit without the representation problem: GiGPO against step-wise GRPO with a tabular policy.
 
-    python bench/credit_tabular.py                 # all variants, the settings of recipes/configs/learning_rooms_cpu.yaml
-    python bench/credit_tabular.py --variants adam --seeds 50
-    python bench/credit_tabular.py --lambdas 0.5   # a third method: GiGPO with the bootstrapped step value at 0.5
+    python research/credit_tabular.py                 # all variants, the settings of research/configs/learning_rooms_cpu.yaml
+    python research/credit_tabular.py --variants adam --seeds 50
+    python research/credit_tabular.py --lambdas 0.5   # a third method: GiGPO with the bootstrapped step value at 0.5
 
-The language-model comparison (bench/learning.py) mixes two questions: does GiGPO's advantage give a better
+The language-model comparison (research/learning.py) mixes two questions: does GiGPO's advantage give a better
 learning signal, and can the policy represent "act on what the observation says"? This diagnostic removes the
 second. The policy is a softmax table with one row of logits per observation text, so it can follow any
 observation from the first update. Everything else is the project's: the environment and its settings come from the

@@ -1,6 +1,7 @@
-"""How well can a policy of the current observation alone do in rooms without the hint (setting F, docs/results.md)?
+"""How well can a policy of the current observation alone do in rooms without the hint (setting F,
+research/settings/f_trap_cpu/README.md)?
 
-    python bench/memoryless_rooms.py --num-rooms 9 --steps 14      # about a minute on one core
+    python research/memoryless_rooms.py --num-rooms 9 --steps 14      # about a minute on one core
 
 Such a policy is a probability of "go west" per room (the observation names the room only). Its success rate, over
 the two kinds of task (the treasure west or east, equally often), is computed exactly by propagating the distribution

@@ -1,6 +1,7 @@
-"""Setting F's screen of candidate games for the format-warmed tiny model (docs/results.md, setting F), without RL:
+"""Setting F's screen of candidate games for the format-warmed tiny model (research/settings/f_trap_cpu/README.md),
+without RL:
 
-    python bench/trap_candidates.py recipes/configs/learning_trap_cpu.yaml bench/screen_configs/trap_coin6_from3.yaml \
+    python research/trap_candidates.py research/configs/learning_trap_cpu.yaml research/configs/screens/trap_coin6_from3.yaml \
         --model outputs/warm-trap-model
 
 Per config: the prompt length in the tiny model's tokens without history and with the last 2 steps, and the CPU time
@@ -98,7 +99,7 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("configs", type=Path, nargs="+")
-    parser.add_argument("--model", required=True, help="the format-warmed tiny model (bench/learning.py builds it)")
+    parser.add_argument("--model", required=True, help="the format-warmed tiny model (research/learning.py builds it)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     tokenizer, model = AutoTokenizer.from_pretrained(args.model), AutoModelForCausalLM.from_pretrained(args.model)

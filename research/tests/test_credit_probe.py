@@ -1,4 +1,4 @@
-"""bench/credit_probe.py: the labels (breadth-first distances before and after each step), the measures of a credit
+"""research/credit_probe.py: the labels (breadth-first distances before and after each step), the measures of a credit
 signal, and the whole probe at tiny scale."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from bench.credit_probe import (
+from research.credit_probe import (
     LAMBDAS, bootstrapped_step_advantages, chosen_lambda, label_means, lambda_signal, lambda_verdict,
     losing_episode_credit, main, optimal_state_values, over_seeds, pairwise_ranking, probe_rollout,
     shuffle_state_values, sign_agreement, signal_names, signals, state_values, step_distances, step_label,
@@ -24,7 +24,7 @@ from gigpo_trl.tasks import Task
 from scripted_policy import ScriptedTrainer
 from tests.toy_envs import UnseededCorridor
 
-# The advantage settings of setting D's recipe (recipes/configs/learning_coin_gpu.yaml).
+# The advantage settings of setting D's recipe (research/configs/learning_coin_gpu.yaml).
 SETTINGS = SimpleNamespace(gamma=0.95, advantage_norm="mean_std", episode_stats="steps", invalid_action_penalty=0.0,
                            similarity_threshold=None)
 
@@ -170,9 +170,9 @@ def test_over_seeds_and_the_reading_rule():
 def test_the_probe_runs_at_tiny_scale(tiny_model_path, tmp_path, capsys):
     """The whole probe on the 5 rooms game, the tiny model generating and a scripted policy answering (a random
     admissible action, so every label occurs): 2 seeds x 1 task x 4 copies, group sizes 2 and 4."""
-    from bench.credit_probe import ROOT
+    from research.credit_probe import ROOT
 
-    config = ROOT / "bench" / "screen_configs" / "rooms5_idle2.yaml"
+    config = ROOT / "research" / "configs" / "screens" / "rooms5_idle2.yaml"
     output = tmp_path / "probe.json"
 
     report = main(["--tiny", "--configs", str(config), "--model", tiny_model_path, "--output", str(output)],

