@@ -7,6 +7,7 @@
     python bench/learning.py --parallel --detach --config C --model M --output O   # 6 runs at once, in the background
     python bench/learning.py --analyze-only --output O                       # collect them (cut-off runs too)
     python bench/learning.py --screen C1 C2 ... --model M                    # choose a setting: the base model's numbers
+    python bench/learning.py --screen C --arms CANDIDATES.yaml --screen-temperatures 0.6 1.0 --screen-update
     python bench/learning.py --step-lambda 0.5 ...                           # a third arm: GiGPO at lambda 0.5
     OMP_NUM_THREADS=1 python bench/learning.py --arms ARMS.yaml --jobs 2 ... # named arms, two runs at a time
 
@@ -34,7 +35,10 @@ held-out comparison and the decision are refused, naming the runs and the tasks,
 
 --screen plays each candidate config's held-out panel greedily with the base model (no training) and one sampled
 rollout, and prints what choosing a setting needs: held-out success, the optimal path length (breadth-first),
-and the step groups (mean size, singleton share) that the copies of a task form.
+and the step groups (mean size, singleton share) that the copies of a task form. With --arms, each arm of the file is
+a candidate (its arguments added to each config); --screen-temperatures samples a rollout at each temperature (its
+success, decisions and prompt tokens per step), and --screen-update measures the CPU seconds of one training
+iteration (its rollout and its update) at the config's own batch.
 
 Rooms diagnostics, in the summary and the plot (docs/results.md reads them): the share of steps that follow the
 draught, the mean advantage of steps that follow it and of those that go against it, and the policy entropy
@@ -457,11 +461,15 @@ def check_memory_plan(config: Path, model: str, run_arguments: Sequence[Sequence
 
 
 def screen(config: Path, model: str, eval_tasks: int, sampled_tasks: int, copies: int,
-           recipe_arguments: Sequence[str] = ()) -> dict:
+           recipe_arguments: Sequence[str] = (), temperatures: Sequence[float] = (), update: bool = False) -> dict:
     """What choosing a setting needs, from the base model (no training): its greedy held-out success and episode
     length on the first `eval_tasks` tasks of the config's eval fold, the optimal path length of those tasks
-    (`shortest_path_length`), and one sampled rollout of `sampled_tasks` x `copies`: success and step groups.
+    (`shortest_path_length`), and one sampled rollout of `sampled_tasks` x `copies` at each of `temperatures` (the
+    config's temperature if none): success, decisions (steps) per episode, prompt tokens per step and step groups.
+    With `update`, the CPU seconds of one training iteration at the config's own batch (`iteration_cpu_seconds`).
     `recipe_arguments` change the config (e.g. --history_length 2)."""
+    import gc
+
     from trl import ModelConfig, TrlParser
 
     from gigpo_trl import GiGPOConfig, GiGPOTrainer, TaskArguments, make_env
@@ -476,24 +484,74 @@ def screen(config: Path, model: str, eval_tasks: int, sampled_tasks: int, copies
         args=["--config", str(config), *overrides, *recipe_arguments])
     train, panel = task_args.datasets(args.env_name, args.env_kwargs)
     trainer = GiGPOTrainer(model, args=args, train_dataset=train, eval_dataset=panel)
+    started = time.process_time()
     held_out = trainer.evaluate()
+    held_out_cpu = time.process_time() - started
     env = make_env(args.env_name, **args.env_kwargs)
     optimal = [shortest_path_length(env, seed, args.max_env_steps) for seed in panel["seed"]]
     env.close()
     reachable = [length for length in optimal if length is not None]
     trainer.model.train()
     rows = [train[k] for k in range(sampled_tasks) for _ in range(copies)]
-    trainer._generate_and_score_completions(rows)  # one sampled rollout, no update
-    sampled = {name: values[-1] for name, values in trainer._metrics["train"].items() if values}
+    sampled = {}
+    for temperature in temperatures or [args.temperature]:
+        trainer.temperature = trainer.generation_config.temperature = temperature
+        trainer._generate_and_score_completions(rows)  # one sampled rollout, no update
+        metrics = {name: values[-1] for name, values in trainer._metrics["train"].items() if values}
+        prompt_tokens = [len(completion.prompt_ids) for completion in trainer.last_rollout.steps.completion]
+        sampled[f"{temperature:g}"] = {
+            "success": metrics["env/success_rate"], "decisions_per_episode": metrics["env/episode_length_mean"],
+            "truncated_share": metrics["env/truncated_share"], "invalid_action_rate": metrics["env/invalid_action_rate"],
+            "prompt_tokens_mean": float(np.mean(prompt_tokens)), "prompt_tokens_max": max(prompt_tokens),
+            "step_group_size_mean": metrics["gigpo/step_group_size_mean"],
+            "singleton_share": metrics["gigpo/singleton_share"], "rollout_s": metrics["timing/rollout_s"],
+        }
     trainer.close_environments()
-    return {
-        "config": str(config), "held_out_success": held_out["eval_env/success_rate"],
-        "held_out_episode_length": held_out["eval_env/episode_length_mean"],
+    del trainer
+    gc.collect()
+    result = {
+        "config": str(config), "held_out_tasks": len(panel), "held_out_success": held_out["eval_env/success_rate"],
+        "held_out_decisions_per_episode": held_out["eval_env/episode_length_mean"],
+        "held_out_cpu_s": held_out_cpu,
         "optimal_path_mean": float(np.mean(reachable)) if reachable else None,
         "optimal_path_min": min(reachable, default=None), "unwinnable_within_limit": optimal.count(None),
-        "sampled_success": sampled["env/success_rate"], "step_group_size_mean": sampled["gigpo/step_group_size_mean"],
-        "singleton_share": sampled["gigpo/singleton_share"], "rollout_s": sampled["timing/rollout_s"],
+        "sampled": sampled,
     }
+    if update:
+        result["iteration"] = iteration_cpu_seconds(config, model, recipe_arguments)
+    return result
+
+
+def iteration_cpu_seconds(config: Path, model: str, recipe_arguments: Sequence[str] = ()) -> dict[str, float]:
+    """The CPU seconds (user + system, this process: on busy cores, a one-thread run's quiet-core time) of one training
+    iteration at the config's own batch, split into its rollout and its update (the micro-batches' passes and the
+    optimizer step), with the step samples it trained on."""
+    from trl import ModelConfig, TrlParser
+
+    from gigpo_trl import GiGPOConfig, GiGPOTrainer, TaskArguments
+
+    overrides = ["--output_dir", str(ROOT / "outputs" / "screen" / f"{config.stem}-iteration"), "--max_steps", "1",
+                 "--eval_strategy", "no", "--save_strategy", "no", "--report_to", "none", "--log_trajectories", "0"]
+    task_args, args, _ = TrlParser((TaskArguments, GiGPOConfig, ModelConfig)).parse_args_and_config(
+        args=["--config", str(config), *recipe_arguments, *overrides])
+    train, _ = task_args.datasets(args.env_name, args.env_kwargs)
+    trainer = GiGPOTrainer(model, args=args, train_dataset=train)
+    rollout_cpu, samples = [], []
+    generate = trainer._generate_and_score_completions
+
+    def timed_rollout(inputs):
+        started = time.process_time()
+        batch = generate(inputs)
+        rollout_cpu.append(time.process_time() - started)
+        samples.append(trainer._metrics["train"]["env/step_samples"][-1])  # the log at the end of train() clears them
+        return batch
+
+    trainer._generate_and_score_completions = timed_rollout
+    started = time.process_time()
+    trainer.train()
+    total = time.process_time() - started
+    trainer.close_environments()
+    return {"rollout_cpu_s": sum(rollout_cpu), "update_cpu_s": total - sum(rollout_cpu), "step_samples": sum(samples)}
 
 
 def draught_steps(trajectories: dict[str, list[dict]]) -> list[tuple[int, bool, dict]]:
@@ -975,6 +1033,10 @@ def main() -> None:
                         "of runs stopped at a fixed time); the summary says the step (cut_at_step)")
     parser.add_argument("--screen-tasks", type=int, nargs=3, default=[32, 4, 8], metavar=("EVAL", "SAMPLED", "COPIES"),
                         help="--screen's held-out tasks, sampled tasks and copies per sampled task")
+    parser.add_argument("--screen-temperatures", type=float, nargs="+", default=[], metavar="T",
+                        help="--screen's sampled rollout at each of these temperatures (default: the config's)")
+    parser.add_argument("--screen-update", action="store_true",
+                        help="--screen also measures the CPU seconds of one training iteration at the config's batch")
     args, overrides = parser.parse_known_args()  # the rest goes to the recipe, e.g. --max_steps 100
     if args.jobs < 1:
         parser.error(f"--jobs must be >= 1, got {args.jobs}")
@@ -983,10 +1045,14 @@ def main() -> None:
         detach(args.output)
         return
     if args.screen:
+        # Without --arms each config is a candidate; with it, each (config, arm) pair, the arm's arguments added.
+        candidates = read_arms(args.arms)[0] if args.arms else {"": []}
         results = []
-        for config in args.screen:  # each result printed and saved as it comes: a screen takes minutes per config
-            results.append(screen(config, args.model or EMBEDDED, *args.screen_tasks, overrides) | {"recipe_arguments": overrides})
-            args.output.mkdir(parents=True, exist_ok=True)
+        for config, (name, arguments) in itertools.product(args.screen, candidates.items()):
+            # each result printed and saved as it comes: a screen takes minutes per candidate
+            results.append({"candidate": name or config.stem, "recipe_arguments": [*arguments, *overrides]} | screen(
+                config, args.model or EMBEDDED, *args.screen_tasks, [*arguments, *overrides],
+                args.screen_temperatures, args.screen_update))
             (args.output / "screen.json").write_text(json.dumps(results, indent=2))
             print(json.dumps(results[-1], indent=2), flush=True)
         return

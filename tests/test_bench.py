@@ -716,3 +716,34 @@ def test_named_arms_run_two_at_a_time_and_are_read_again_from_their_output(tiny_
     subprocess.run([*command[:2], "--analyze-only", "--seeds", "0", "--config", command[9], "--output", str(output)],
                    check=True, capture_output=True, cwd=root)
     assert json.loads((output / "summary.json").read_text())["methods"] == summary["methods"]
+
+
+@pytest.mark.timeout(600)
+def test_the_screen_plays_each_candidate_at_each_temperature_and_times_a_training_iteration(tiny_model_path, tmp_path):
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    candidates = tmp_path / "candidates.yaml"
+    candidates.write_text("arms:\n  two steps: [--max_env_steps, 2]\n  four steps: [--max_env_steps, 4]\n")
+    output = tmp_path / "screen"
+    command = [sys.executable, str(root / "bench" / "learning.py"), "--screen",
+               str(root / "bench" / "screen_configs" / "rooms9.yaml"), "--arms", str(candidates), "--model",
+               tiny_model_path, "--screen-tasks", "4", "2", "2", "--screen-temperatures", "0.6", "1.0",
+               "--screen-update", "--output", str(output), "--per_device_train_batch_size", "2",
+               "--steps_per_generation", "2", "--gradient_accumulation_steps", "2", "--num_generations", "2"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=root)
+
+    assert result.returncode == 0, result.stderr[-4000:]
+    screened = json.loads((output / "screen.json").read_text())
+    assert [candidate["candidate"] for candidate in screened] == ["two steps", "four steps"]
+    for candidate, limit in zip(screened, (2, 4)):
+        assert candidate["held_out_tasks"] == 4 and 0 <= candidate["held_out_success"] <= 1
+        assert 0 < candidate["held_out_decisions_per_episode"] <= limit  # the candidate's own step limit applied
+        assert set(candidate["sampled"]) == {"0.6", "1"}
+        for sampled in candidate["sampled"].values():
+            assert 0 <= sampled["success"] <= 1 and 0 < sampled["decisions_per_episode"] <= limit
+            assert 0 < sampled["prompt_tokens_mean"] <= sampled["prompt_tokens_max"]
+        iteration = candidate["iteration"]
+        assert iteration["rollout_cpu_s"] > 0 and iteration["update_cpu_s"] > 0
+        assert 2 * 2 <= iteration["step_samples"] <= 2 * 2 * limit  # 2 tasks x 2 copies, 1 to `limit` steps each
