@@ -89,7 +89,7 @@ from gigpo_trl.rollout import Rollout, StepColumns
 from gigpo_trl.shortest_paths import shortest_path_length
 
 ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_CONFIGS = [ROOT / "recipes" / "configs" / "learning_coin_gpu.yaml",
+DEFAULT_CONFIGS = [ROOT / "research" / "configs" / "learning_coin_gpu.yaml",
                    ROOT / "research" / "configs" / "screens" / "rooms5_idle2.yaml"]
 LABELS = ("progress", "neutral", "regress")
 # Pairs of labels inside a step group, the better one first.

@@ -275,7 +275,7 @@ def json_object(text: str) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", type=Path, default=ROOT / "recipes" / "configs" / "learning_rooms_cpu.yaml")
+    parser.add_argument("--config", type=Path, default=ROOT / "research" / "configs" / "learning_rooms_cpu.yaml")
     parser.add_argument("--seeds", type=int, default=20)
     parser.add_argument("--iterations", type=int, default=100)
     parser.add_argument("--env-kwargs", type=json_object, default=None, help='JSON, replaces the config\'s env_kwargs, '

@@ -19,14 +19,18 @@ import argparse
 import json
 import random
 import statistics
+import sys
 import time
 from pathlib import Path
 
-from learning import memory_action, state_prompts, supervised_step
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # run as a script (python research/trap_candidates.py): research.probes
+    sys.path.insert(0, str(ROOT))
 
-from gigpo_trl.envs import anchor_of, make_env
-from gigpo_trl.loops import LoopCounts, episode_loops
-from gigpo_trl.shortest_paths import shortest_path_length
+from gigpo_trl.envs import anchor_of, make_env  # noqa: E402
+from gigpo_trl.loops import LoopCounts, episode_loops  # noqa: E402
+from gigpo_trl.shortest_paths import shortest_path_length  # noqa: E402
+from research.probes import memory_action, state_prompts, supervised_step  # noqa: E402
 
 
 def prompt_cost(settings: dict, tokenizer, model, history_length: int = 2, batch: int = 16) -> dict:

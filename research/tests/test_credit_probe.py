@@ -10,18 +10,18 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from gigpo_trl.advantages import anchor_step_groups, compute_gigpo_advantages
+from gigpo_trl.env_pool import EnvPool
+from gigpo_trl.environments.rooms import RoomsEnv
+from gigpo_trl.rollout import Completion, StepColumns, collect_rollout
+from gigpo_trl.tasks import Task
 from research.credit_probe import (
     LAMBDAS, bootstrapped_step_advantages, chosen_lambda, label_means, lambda_signal, lambda_verdict,
     losing_episode_credit, main, optimal_state_values, over_seeds, pairwise_ranking, probe_rollout,
     shuffle_state_values, sign_agreement, signal_names, signals, state_values, step_distances, step_label,
     subgroup_ids, verdict, zero_share,
 )
-from gigpo_trl.advantages import anchor_step_groups, compute_gigpo_advantages
-from gigpo_trl.env_pool import EnvPool
-from gigpo_trl.environments.rooms import RoomsEnv
-from gigpo_trl.rollout import Completion, StepColumns, collect_rollout
-from gigpo_trl.tasks import Task
-from scripted_policy import ScriptedTrainer
+from tests.scripted_policy import ScriptedTrainer
 from tests.toy_envs import UnseededCorridor
 
 # The advantage settings of setting D's recipe (research/configs/learning_coin_gpu.yaml).
