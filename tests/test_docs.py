@@ -164,3 +164,14 @@ def test_the_algorithm_pages_bootstrapped_example_is_what_the_function_computes(
             lambda_returns[k] = rows["rewards"][k] + (0.0 if last else 0.95 * (
                 (1 - step_lambda) * value[anchors[k + 1]] + step_lambda * lambda_returns[k + 1]))
         assert_column(table, f"Gl, lambda {step_lambda:g}", lambda_returns)
+
+
+def test_no_file_of_the_repository_cites_a_file_outside_it():
+    # The names, built from parts so that this file does not hold them: a specification and notes users cannot open.
+    outside = ["GIGPO" + "_SPEC", "/work/" + "shared", "../" + "shared/"]
+    files = [ROOT / name for name in ("README.md", "setup.cfg", "pyproject.toml", ".ci/run")]
+    files += [path for top in TOP_LEVEL for path in (ROOT / top).rglob("*")
+              if path.is_file() and "__pycache__" not in path.parts and path.suffix not in (".png", ".pyc")]
+    citing = {path.relative_to(ROOT).as_posix(): name for path in files
+              for name in outside if name in path.read_text(errors="replace")}
+    assert len(files) > 100 and citing == {}
