@@ -22,15 +22,14 @@ class RunOutcome:
     report: Path | None
 
 
-class FirstEvaluation(TrainerCallback):
-    """Keeps the metrics of a training run's first evaluation."""
+class Evaluations(TrainerCallback):
+    """Keeps the training step and metrics of every evaluation of a run."""
 
     def __init__(self) -> None:
-        self.metrics: dict[str, float] | None = None
+        self.made: list[tuple[int, dict[str, float]]] = []
 
     def on_evaluate(self, args, state, control, metrics: dict[str, float] | None = None, **kwargs) -> None:
-        if self.metrics is None:
-            self.metrics = metrics
+        self.made.append((state.global_step, metrics))
 
 
 def train_and_report(trainer: Any, resume_from_checkpoint: str | bool | None = None,
@@ -41,15 +40,21 @@ def train_and_report(trainer: Any, resume_from_checkpoint: str | bool | None = N
 
     The first evaluation runs as training starts (`eval_on_start`), on the model as `train()` prepared it (and as a
     checkpoint it resumes from left it): under DeepSpeed, an `evaluate()` before `train()` leaves transformers'
-    Trainer an engine without an optimizer, and training then fails at its first backward pass."""
+    Trainer an engine without an optimizer, and training then fails at its first backward pass. The evaluation after
+    training is the periodic one of the last step where the run made one there (`eval_steps` dividing `max_steps`):
+    the same weights, the same panel, not played twice."""
     held_out = trainer.eval_dataset is not None
-    first = FirstEvaluation()
-    if held_out and evaluate_first:
-        trainer.args.eval_on_start = True
-        trainer.add_callback(first)
+    evaluations = Evaluations()
+    if held_out:
+        trainer.args.eval_on_start = evaluate_first
+        trainer.add_callback(evaluations)
     trainer.train(resume_from_checkpoint=resume_from_checkpoint)
-    before = first.metrics
-    after = trainer.evaluate() if held_out else None
+    before = evaluations.made[0][1] if evaluate_first and evaluations.made else None
+    after = None
+    if held_out:
+        last_step, last = evaluations.made[-1] if evaluations.made else (None, None)
+        training_made_it = last_step == trainer.state.global_step and (len(evaluations.made) > 1 or not evaluate_first)
+        after = last if training_made_it else trainer.evaluate()
     trainer.save_model(trainer.args.output_dir)
     trainer.close_environments()
     if not trainer.accelerator.is_main_process:
