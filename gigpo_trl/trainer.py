@@ -21,6 +21,7 @@ from trl import GRPOTrainer
 from gigpo_trl.advantages import GiGPOAdvantages, compute_gigpo_advantages
 from gigpo_trl.batch import loss_batch, rows_for_update
 from gigpo_trl.config import GiGPOConfig
+from gigpo_trl.dialogue import DUMMY_PROMPT, Completion, Dialogue, Messages, TextDialogue, Tools
 from gigpo_trl.dynamic_sampling import (
     SamplingCounts, StdFilterCounts, extra_task_rows, filter_by_return_std, sample_groups,
 )
@@ -39,9 +40,7 @@ from gigpo_trl.records import (
     count_rollouts, episode_records, iteration_record, write_evaluation, write_records, write_update,
 )
 from gigpo_trl.report import ReportCallback
-from gigpo_trl.rollout import (
-    DUMMY_PROMPT, Completion, Dialogue, Messages, Rollout, TextDialogue, Tools, collect_rollout,
-)
+from gigpo_trl.rollout import Rollout, collect_rollout
 from gigpo_trl.tasks import Task, check_task_datasets, row_tasks, tasks_from_rows
 from gigpo_trl.trl_environment import (
     ToolCallDialogue, TRLEnvironment, check_tool_chat_template, checked_trainer_arguments,

@@ -19,7 +19,8 @@ from bench.credit_probe import (
 from gigpo_trl.advantages import anchor_step_groups, compute_gigpo_advantages
 from gigpo_trl.env_pool import EnvPool
 from gigpo_trl.environments.rooms import RoomsEnv
-from gigpo_trl.rollout import Completion, StepColumns, collect_rollout
+from gigpo_trl.dialogue import Completion
+from gigpo_trl.rollout import StepColumns, collect_rollout
 from gigpo_trl.tasks import Task
 from scripted_policy import ScriptedTrainer
 from tests.toy_envs import UnseededCorridor

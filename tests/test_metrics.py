@@ -13,9 +13,10 @@ from toy_envs import Corridor, FailsToStart
 from trainer_helpers import cpu_config, settings_config
 
 from gigpo_trl.advantages import compute_gigpo_advantages
+from gigpo_trl.dialogue import Completion
 from gigpo_trl.env_pool import EnvPool
 from gigpo_trl.metrics import PanelEpisode, RolloutSummary, RolloutTimes, panel_metrics, panel_tasks, rollout_metrics
-from gigpo_trl.rollout import Completion, collect_rollout
+from gigpo_trl.rollout import collect_rollout
 from gigpo_trl.tasks import Task, task_dataset
 from gigpo_trl.trainer import GiGPOTrainer
 
