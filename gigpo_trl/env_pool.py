@@ -26,10 +26,11 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 from gigpo_trl.envs import ANCHOR_KINDS, INFO_ANCHOR_KIND, EnvOutput, TextEnv
+from gigpo_trl.metric_names import ENV_ERROR_SHARE
 from gigpo_trl.tasks import Task
 
 INFO_ENV_ERROR = "env_error"
-ENDS_HERE = "its trajectory ends here (the run goes on; logged as env/env_error_share)"
+ENDS_HERE = f"its trajectory ends here (the run goes on; logged as {ENV_ERROR_SHARE})"
 
 
 class GroupStartMismatchWarning(UserWarning):

@@ -17,6 +17,10 @@ from accelerate.utils import gather_object
 from gigpo_trl.advantages import GiGPOAdvantages
 from gigpo_trl.dynamic_sampling import SamplingCounts, StdFilterCounts
 from gigpo_trl.loops import LOOP_WARNING, LoopAlarm, entropy_baseline, loop_warning_due
+from gigpo_trl.metric_names import (
+    EXTRA_ROUNDS, GRAD_NORM_SPIKE, GROUPS_DROPPED, GROUPS_KEPT, GROUPS_MISSING, GROUPS_ROLLED, NUM_STEP_GROUPS,
+    PANEL_UNPLAYED, PANEL_UNPLAYED_TASKS, REVISIT_SHARE, SINGLETON_SHARE, evaluation_name,
+)
 from gigpo_trl.metrics import (
     GRAD_NORM_SPIKE_WINDOW, SINGLETON_WARNING, SINGLETON_WARNING_SHARE, PanelEpisode, RolloutSummary, RolloutTimes,
     panel_metrics, panel_tasks, rollout_metrics, trailing_ratio,
@@ -65,7 +69,7 @@ class RunLogsMixin:
             for name, value in metrics.items():
                 self._metrics["eval"][name] = [value]
             if unplayed:
-                logs["eval_env/panel_unplayed_tasks"] = "; ".join(unplayed)
+                logs[evaluation_name(PANEL_UNPLAYED_TASKS)] = "; ".join(unplayed)
                 if self.accelerator.is_main_process:
                     warnings.warn(_unplayed_message(played, unplayed), stacklevel=2)
             if self.accelerator.is_main_process and metrics:
@@ -84,9 +88,9 @@ class RunLogsMixin:
         if grad_norm is not None and math.isfinite(grad_norm):
             spike = trailing_ratio(grad_norm, self._grad_norms)
             if spike is not None:
-                logs["grad_norm/spike"] = spike
+                logs[GRAD_NORM_SPIKE] = spike
             self._grad_norms.append(grad_norm)
-        entropy, revisit_share = (self._logged_mean(name) for name in ("entropy", "loops/revisit_share"))
+        entropy, revisit_share = (self._logged_mean(name) for name in ("entropy", REVISIT_SHARE))
         if entropy is None:
             return
         self._logged_entropies.append(entropy)
@@ -115,11 +119,11 @@ class RunLogsMixin:
             self._metrics[mode][name].append(value)
         self._metrics[mode]["num_tokens"] = [self.state.num_input_tokens_seen]
 
-        if metrics.get("dynamic_sampling/groups_missing"):
+        if metrics.get(GROUPS_MISSING):
             warnings.warn(_short_update_message(metrics), stacklevel=2)
         # Evaluation plays num_generations_eval copies, often 1: its step groups say nothing about the anchors.
-        singleton_share = metrics["gigpo/singleton_share"]
-        if mode == "train" and metrics["gigpo/num_step_groups"] and singleton_share > SINGLETON_WARNING_SHARE \
+        singleton_share = metrics[SINGLETON_SHARE]
+        if mode == "train" and metrics[NUM_STEP_GROUPS] and singleton_share > SINGLETON_WARNING_SHARE \
                 and not self._warned_singletons:
             self._warned_singletons = True
             warnings.warn(SINGLETON_WARNING.format(share=singleton_share), stacklevel=2)
@@ -144,17 +148,18 @@ class RunLogsMixin:
 
 def _short_update_message(metrics: dict[str, float]) -> str:
     """The warning of an update that holds fewer task groups with a signal than asked: dynamic sampling's limit."""
-    kept, missing = int(metrics["dynamic_sampling/groups_kept"]), int(metrics["dynamic_sampling/groups_missing"])
+    kept, missing = int(metrics[GROUPS_KEPT]), int(metrics[GROUPS_MISSING])
     trains_on = f"trains on those {kept}" if kept else "has no step sample with a signal: it runs on zero-weight rows"
-    return (f"dynamic sampling: after {int(metrics['dynamic_sampling/extra_rounds'])} extra round(s) (the limit, "
+    return (f"dynamic sampling: after {int(metrics[EXTRA_ROUNDS])} extra round(s) (the limit, "
             f"dynamic_sampling_max_rounds) the update holds {kept} task group(s) with a signal of the {kept + missing} "
-            f"asked, and {trains_on}; {int(metrics['dynamic_sampling/groups_dropped'])} of the "
-            f"{int(metrics['dynamic_sampling/groups_rolled'])} groups rolled had none (logged as dynamic_sampling/*)")
+            f"asked, and {trains_on}; {int(metrics[GROUPS_DROPPED])} of the "
+            f"{int(metrics[GROUPS_ROLLED])} groups rolled had none (logged as dynamic_sampling/*)")
 
 
 def _unplayed_message(played: list[str], unplayed: dict[str, str]) -> str:
     """The warning of an evaluation that could not play every task of its panel."""
     reasons = "; ".join(f"{task}: {reason}" for task, reason in unplayed.items())
     return (f"the evaluation played {len(played)} of its {len(played) + len(unplayed)} held-out tasks: its figures are "
-            f"over those {len(played)} (logged as eval_env/panel_unplayed, eval_env/panel_unplayed_tasks). Could not be "
-            f"played, after env_reset_attempts resets each: {reasons}")
+            f"over those {len(played)} (logged as {evaluation_name(PANEL_UNPLAYED)}, "
+            f"{evaluation_name(PANEL_UNPLAYED_TASKS)}). Could not be played, after env_reset_attempts resets each: "
+            f"{reasons}")
