@@ -267,6 +267,8 @@ def summary(rows: list[dict], seeds: list[int], arms: Sequence[str], panels: Pan
                            for method, against in pairs}
     if control is not None:
         result["trap_reading"] = trap_reading(rows, arms, control)
+    if any(r["mode"] == "eval" for r in rows):
+        result["learning_reading"] = learning_reading(rows, arms)
     result["first_step_at_train_success"] = {
         method: {f"{target:g}": first_steps_at(rows, method, target) for target in SUCCESS_TARGETS} for method in arms}
     train = [r for r in rows if r["mode"] == "train"]
@@ -395,6 +397,57 @@ def decision(rows: list[dict], first: str = PAPER, second: str = BASELINE, panel
         if all(final[better][seed] > final[worse][seed] for seed in seeds):
             return f"decided: {better} above {worse} on every seed ({len(seeds)}){anyway}"
     return f"undecided: neither method is above the other on every seed ({len(seeds)}){anyway}"
+
+
+def with_base_evaluation(rows: list[dict], base_rows: list[dict], panels: Panels,
+                         base_panel: dict[int, frozenset[str] | None]) -> tuple[list[dict], Panels]:
+    """Each run's curves and panels with the shared evaluation before training (`research.runs.evaluate_base`) as its
+    evaluation at step 0, where the run made none there itself."""
+    base = [row for row in base_rows if row["mode"] == "eval" and row["step"] == 0]
+    runs = sorted({(row["method"], row["seed"]) for row in rows})
+    merged, panels = list(rows), {run: dict(by_step) for run, by_step in panels.items()}
+    for method, seed in runs:
+        if not any(r["mode"] == "eval" and r["step"] == 0 and (r["method"], r["seed"]) == (method, seed) for r in rows):
+            merged += [row | {"method": method, "seed": seed} for row in base]
+            if 0 in base_panel:
+                panels.setdefault((method, seed), {})[0] = base_panel[0]
+    return merged, panels
+
+
+LEARNS_FACTOR = 2.0  # setting G: an arm learns on a seed when its final held-out success is at least twice ...
+LEARNS_MARGIN = 0.20  # ... and at least 20 points above its success before training
+
+
+def learning_reading(rows: list[dict], arms: Sequence[str]) -> dict:
+    """Setting G's pre-registered rule (research/settings/g_simonsays/README.md): an arm learns when, on every seed, its
+    final held-out success (the run's last evaluation) is at least LEARNS_FACTOR times its held-out success before
+    training (its evaluation at step 0) and at least LEARNS_MARGIN above it. Per arm: per seed the two figures and
+    whether the seed meets the rule, and the verdict."""
+    result = {}
+    for method in arms:
+        evaluations: dict[int, dict[int, float]] = {}
+        for row in rows:
+            if row["method"] == method and row["mode"] == "eval":
+                evaluations.setdefault(row["seed"], {})[row["step"]] = row["success_rate"]
+        seeds = {}
+        for seed, by_step in sorted(evaluations.items()):
+            if 0 not in by_step or max(by_step) == 0:
+                seeds[seed] = {"before": by_step.get(0), "final": None, "learns": None}
+                continue
+            before, final = by_step[0], by_step[max(by_step)]
+            seeds[seed] = {"before": before, "final": final, "final_step": max(by_step),
+                           # rounded: success rates are fractions of the panel (0.1 + 0.2 > 0.3 in floating point)
+                           "learns": round(final - LEARNS_FACTOR * before, 9) >= 0
+                           and round(final - before, 9) >= LEARNS_MARGIN}
+        if not seeds or any(seed["learns"] is None for seed in seeds.values()):
+            verdict = "not readable: a run lacks its evaluation before training or after it"
+        elif all(seed["learns"] for seed in seeds.values()):
+            verdict = f"learns on every seed ({len(seeds)})"
+        else:
+            short = [str(seed) for seed, figures in seeds.items() if not figures["learns"]]
+            verdict = f"does not learn: the rule fails on seed(s) {', '.join(short)} of {len(seeds)}"
+        result[method] = {"seeds": seeds, "verdict": verdict}
+    return result
 
 
 def cut_at_common_evaluation(rows: list[dict]) -> tuple[list[dict], int]:

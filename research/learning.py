@@ -9,6 +9,7 @@
     python research/learning.py --screen C1 C2 ... --model M                    # choose a setting: the base model's numbers
     python research/learning.py --screen C --arms CANDIDATES.yaml --screen-temperatures 0.6 1.0 --screen-update
     python research/learning.py --step-lambda 0.5 ...                           # a third arm: GiGPO at lambda 0.5
+    python research/learning.py --shared-base-evaluation --jobs 2 ...          # the panel before training played once
     OMP_NUM_THREADS=1 python research/learning.py --arms ARMS.yaml --jobs 2 ... # named arms, two runs at a time
 
 Each (method, seed) run is `recipes/train_gigpo.py --config CONFIG --step_advantage_weight {1, 0} --seed S`, so
@@ -81,11 +82,14 @@ from research.analysis import (  # noqa: E402
     held_out_panels,
     plot,
     summary,
+    with_base_evaluation,
 )
 from research.probes import reading_probe, screen, warm_up_format  # noqa: E402
 from research.runs import (  # noqa: E402
+    BASE_FOLDER,
     check_memory_plan,
     detach,
+    evaluate_base,
     lambda_of_runs,
     methods,
     read_arms,
@@ -130,6 +134,10 @@ def main() -> None:
     at_once.add_argument("--jobs", type=int, default=1, metavar="N", help="at most N runs at once, in order (default 1; "
                          "on a few CPU cores with OMP_NUM_THREADS=1, one run a core)")
     parser.add_argument("--detach", action="store_true", help="run in a new process session, output to OUTPUT/learning.log")
+    parser.add_argument("--shared-base-evaluation", action="store_true",
+                        help="evaluate the model once before any run (OUTPUT/base) instead of once per run: runs from "
+                        "the same weights get the same greedy figure on the same panel; the analysis takes it as every "
+                        "run's step 0")
     parser.add_argument("--cut-at-common-evaluation", action="store_true",
                         help="compare the runs up to the last held-out evaluation every run reached (the budget rule "
                         "of runs stopped at a fixed time); the summary says the step (cut_at_step)")
@@ -197,11 +205,20 @@ def main() -> None:
     if args.parallel and not args.analyze_only:
         check_memory_plan(args.config, model, [[*arms[method], *overrides] for method, _ in runs])
     jobs = len(runs) if args.parallel else args.jobs
+    base = args.output / BASE_FOLDER
+    if args.shared_base_evaluation and not args.analyze_only:
+        evaluate_base(args.config, model, base, overrides)
+        overrides = [*overrides, "--evaluate_before_training", "false"]
     seconds, cpu_seconds = ({}, {}) if args.analyze_only else train_all(runs, arms, args.config, model, overrides, jobs)
     trajectories = {run: read_trajectories(output_dir) for run, output_dir in runs.items()}  # each run's read once
     hint_steps = {run: draught_steps(episodes) for run, episodes in trajectories.items()}
     rows = curves(runs, hint_steps, trajectories, earlier_entropy(args.entropy_from) if args.entropy_from else {},
                   settings)
+    panels = held_out_panels(runs)
+    if (base / "gigpo" / "evaluations.jsonl").is_file():  # the shared evaluation before training: every run's step 0
+        base_run = {("base", 0): base}
+        rows, panels = with_base_evaluation(rows, curves(base_run, {("base", 0): []}, {("base", 0): {}}, {}, settings),
+                                            panels, held_out_panels(base_run)[("base", 0)])
     cut_at_step = None
     if args.cut_at_common_evaluation:
         rows, cut_at_step = cut_at_common_evaluation(rows)
@@ -212,7 +229,6 @@ def main() -> None:
         writer.writeheader()
         writer.writerows(rows)
     plot(rows, args.output / "learning_curves.png")
-    panels = held_out_panels(runs)
     if cut_at_step is not None:
         panels = {run: {step: tasks for step, tasks in by_step.items() if step <= cut_at_step} for run, by_step in panels.items()}
     result = summary(rows, args.seeds, list(arms), panels, args.allow_panel_mismatch, control) | {

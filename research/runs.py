@@ -119,6 +119,34 @@ def start_run(config: Path, model: str, method_arguments: list[str], seed: int, 
         return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=run_environment())
 
 
+BASE_FOLDER = "base"  # OUTPUT/base: the shared evaluation before training (`evaluate_base`)
+
+
+def evaluate_base(config: Path, model: str, output_dir: Path, overrides: Sequence[str] = ()) -> Path:
+    """The held-out evaluation every run of a comparison would make before training, made once: runs that start from
+    the same weights get the same figure from a greedy evaluation of the same panel, so their recipes skip it
+    (`--evaluate_before_training false`) and the analysis takes this one as each run's step 0
+    (`research.analysis.with_base_evaluation`). The trainer writes it to OUTPUT_DIR/gigpo (its iteration and evaluation
+    records, at step 0); an evaluation already there is kept."""
+    from gigpo_trl.records import read_evaluations
+
+    if read_evaluations(output_dir):
+        return output_dir
+    from trl import ModelConfig, TrlParser
+
+    from gigpo_trl import GiGPOConfig, GiGPOTrainer, TaskArguments
+
+    task_args, args, _ = TrlParser((TaskArguments, GiGPOConfig, ModelConfig)).parse_args_and_config(
+        args=["--config", str(config), *overrides, "--output_dir", str(output_dir), "--report_to", "none"])
+    train, panel = task_args.datasets(args.env_name, args.env_kwargs)
+    if panel is None:
+        raise ValueError(f"{config} has no held-out panel (num_eval_tasks 0): there is no evaluation to share")
+    trainer = GiGPOTrainer(model, args=args, train_dataset=train, eval_dataset=panel)
+    trainer.evaluate()
+    trainer.close_environments()
+    return output_dir
+
+
 def run_environment() -> dict[str, str]:
     """A run's environment: this one's, with a port of its own for torch.distributed (`MASTER_PORT`, unless set).
     Runs started at once each set up a process group of one (vLLM colocate does), and TRL picks the first free of a

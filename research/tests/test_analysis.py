@@ -257,3 +257,52 @@ def test_the_trap_reading_is_the_pre_registered_rule():
     for row in rows:
         row["revisit_share"] = 0.3
     assert trap_reading(rows, ["history 0"], "history 0")["control"] == "history 0: trap not shown on 0 of 6 seeds"
+
+
+def test_an_arm_learns_when_every_seed_ends_at_twice_its_start_and_twenty_points_above_it():
+    from research.analysis import learning_reading
+
+    def rows(method, evaluations):
+        return [{"method": method, "seed": seed, "mode": "eval", "step": step, "success_rate": value}
+                for seed, by_step in enumerate(evaluations) for step, value in by_step.items()]
+
+    every_seed = rows("GiGPO", [{0: 0.10, 3: 0.20, 6: 0.30}, {0: 0.10, 6: 0.50}])
+    doubled_not_twenty = rows("GRPO (omega=0)", [{0: 0.10, 6: 0.30}, {0: 0.05, 6: 0.15}])  # seed 1: x3, +10 points
+    twenty_not_doubled = rows("high start", [{0: 0.30, 6: 0.55}])  # +25 points, short of 0.60
+
+    reading = learning_reading([*every_seed, *doubled_not_twenty, *twenty_not_doubled],
+                               ["GiGPO", "GRPO (omega=0)", "high start"])
+
+    assert reading["GiGPO"]["verdict"] == "learns on every seed (2)"
+    assert reading["GiGPO"]["seeds"][0] == {"before": 0.10, "final": 0.30, "final_step": 6, "learns": True}
+    assert reading["GRPO (omega=0)"]["verdict"] == "does not learn: the rule fails on seed(s) 1 of 2"
+    assert reading["high start"]["seeds"][0]["learns"] is False
+    unreadable = learning_reading(rows("GiGPO", [{3: 0.5, 6: 0.6}]), ["GiGPO"])  # no evaluation before training
+    assert unreadable["GiGPO"]["verdict"].startswith("not readable")
+
+
+def test_the_shared_evaluation_before_training_is_every_run_s_step_0(tmp_path):
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    write_run(tmp_path / "base", {0: 0.1}, {})
+    for seed in (0, 1):  # the runs evaluated after training only (evaluate_before_training false)
+        write_run(tmp_path / f"gigpo-seed{seed}", {2: 0.5}, {})
+        write_run(tmp_path / f"grpo-seed{seed}", {2: 0.2 + 0.2 * seed}, {2: ["seed 1000001"]} if seed else {})
+    command = [sys.executable, str(root / "research" / "learning.py"), "--analyze-only", "--seeds", "0", "1", "--output",
+               str(tmp_path)]
+
+    subprocess.run(command, check=True, capture_output=True, cwd=root)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+
+    reading = summary["learning_reading"]
+    assert reading["GiGPO"]["verdict"] == "learns on every seed (2)"
+    assert reading["GRPO (omega=0)"]["seeds"]["1"] == {"before": 0.1, "final": 0.4, "final_step": 2, "learns": True}
+    assert reading["GRPO (omega=0)"]["verdict"] == "does not learn: the rule fails on seed(s) 0 of 2"
+    curves = list(csv.DictReader((tmp_path / "learning_curves.csv").open()))
+    starts = {(row["method"], row["seed"]) for row in curves if row["mode"] == "eval" and row["step"] == "0"}
+    assert starts == {(method, str(seed)) for method in ("GiGPO", "GRPO (omega=0)") for seed in (0, 1)}
+    # The base panel counts as each run's step 0: GRPO seed 1's last evaluation lacks a task, its first does not.
+    assert summary["held_out_panels"]["differences"] == ("the held-out panels differ: GRPO (omega=0) seed 1 at step 2 "
+                                                         "played 2 of the 3 tasks (not: seed 1000001)")
