@@ -4,6 +4,7 @@ each (arm, seed) run writes, and starting them: one after the other, `--jobs N` 
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import re
 import shlex
@@ -127,15 +128,33 @@ def evaluate_base(config: Path, model: str, output_dir: Path, overrides: Sequenc
     the same weights get the same figure from a greedy evaluation of the same panel, so their recipes skip it
     (`--evaluate_before_training false`) and the analysis takes this one as each run's step 0
     (`research.analysis.with_base_evaluation`). The trainer writes it to OUTPUT_DIR/gigpo (its iteration and evaluation
-    records, at step 0); an evaluation already there is kept."""
+    records, at step 0); an evaluation already there is kept.
+
+    It runs in a process of its own, which ends before the runs start: under vLLM colocate the trainer sets up a
+    process group (TRL exports MASTER_PORT, 29500 at first) and an engine that holds memory, and in this process both
+    would outlive the evaluation, the port passed on to every run (the second one to start died of EADDRINUSE in
+    setting G's GPU dry-run) and the engine's memory held while they train."""
     from gigpo_trl.records import read_evaluations
 
     if read_evaluations(output_dir):
         return output_dir
+    process = multiprocessing.get_context("spawn").Process(
+        target=_evaluate_before_training, args=(config, model, output_dir, tuple(overrides)))
+    process.start()
+    process.join()
+    if process.exitcode:
+        raise RuntimeError(f"the shared evaluation before training failed (exit code {process.exitcode}); "
+                           f"its output is above")
+    return output_dir
+
+
+def _evaluate_before_training(config: Path, model: str, output_dir: Path, overrides: tuple[str, ...]) -> None:
+    """`evaluate_base`'s evaluation, in the process it starts."""
     from trl import ModelConfig, TrlParser
 
     from gigpo_trl import GiGPOConfig, GiGPOTrainer, TaskArguments
 
+    os.environ.update(run_environment())
     task_args, args, _ = TrlParser((TaskArguments, GiGPOConfig, ModelConfig)).parse_args_and_config(
         args=["--config", str(config), *overrides, "--output_dir", str(output_dir), "--report_to", "none"])
     train, panel = task_args.datasets(args.env_name, args.env_kwargs)
@@ -144,7 +163,6 @@ def evaluate_base(config: Path, model: str, output_dir: Path, overrides: Sequenc
     trainer = GiGPOTrainer(model, args=args, train_dataset=train, eval_dataset=panel)
     trainer.evaluate()
     trainer.close_environments()
-    return output_dir
 
 
 def run_environment() -> dict[str, str]:

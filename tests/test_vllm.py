@@ -319,3 +319,30 @@ def test_dynamic_sampling_plays_its_extra_rounds_through_vllm_and_trains_on_what
     for entry in training_logs(trainer):
         assert entry["dynamic_sampling/extra_rounds"] == 2 and entry["dynamic_sampling/groups_kept"] == 0
         assert entry["gigpo/update_step_samples"] == 0 and entry["loss"] == 0.0
+
+
+def test_the_shared_evaluation_before_training_leaves_no_port_or_process_group_to_the_runs_it_precedes(tmp_path,
+                                                                                                       vllm_model_path):
+    """research/learning.py --shared-base-evaluation evaluates the base once, then starts the runs. Under vLLM colocate
+    the evaluation's trainer sets up a process group and exports its MASTER_PORT; made in the command's own process,
+    both outlived it and every run inherited the port (the second run to start died of EADDRINUSE)."""
+    import subprocess
+    import sys
+
+    config = tmp_path / "config.yaml"
+    config.write_text("env_name: sokoban\nnum_train_tasks: 2\nnum_eval_tasks: 2\nmax_env_steps: 2\n"
+                      "max_completion_length: 8\nper_device_eval_batch_size: 2\nnum_generations: 2\nper_device_train_batch_size: 4\n"
+                      "use_vllm: true\nvllm_mode: colocate\nvllm_max_model_length: 1024\n"
+                      f"bf16: {str(CUDA).lower()}\nreport_to: none\n")
+    command = ("import os, sys, torch.distributed as dist; from pathlib import Path; "
+               "from research.runs import evaluate_base; from gigpo_trl.records import read_evaluations; "
+               "out = Path(sys.argv[3]); evaluate_base(Path(sys.argv[1]), sys.argv[2], out); "
+               "print('evaluated', len(read_evaluations(out)), 'port', os.environ.get('MASTER_PORT'), "
+               "'group', dist.is_available() and dist.is_initialized())")
+    paths = [str(TESTS.parent)] + ([] if CUDA else [str(TESTS.parent / "scripts" / "vllm_cpu_site")])
+    environment = {name: value for name, value in os.environ.items() if name != "MASTER_PORT"}
+    environment["PYTHONPATH"] = os.pathsep.join(paths + [environment.get("PYTHONPATH", "")])
+    result = subprocess.run([sys.executable, "-c", command, str(config), vllm_model_path, str(tmp_path / "base")],
+                            capture_output=True, text=True, env=environment, cwd=tmp_path, timeout=500)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.splitlines()[-1] == "evaluated 1 port None group False"
