@@ -35,6 +35,15 @@ class Evaluations(TrainerCallback):
         self.made.append((state.global_step, metrics))
 
 
+def resume_target(resume_from_checkpoint: str | bool | None) -> str | bool | None:
+    """`--resume_from_checkpoint` as transformers' `train()` takes it. The command line gives a string, and `train()`
+    reads any string as a checkpoint folder ("Can't find a valid checkpoint at true"): "true" resumes from the last
+    checkpoint in the output folder, "false" (or nothing) starts afresh, anything else names a checkpoint folder."""
+    if isinstance(resume_from_checkpoint, str) and resume_from_checkpoint.lower() in ("true", "false", ""):
+        return resume_from_checkpoint.lower() == "true" or None
+    return resume_from_checkpoint
+
+
 def train_and_report(trainer: Any, resume_from_checkpoint: str | bool | None = None,
                      panel: str = "Held-out success rate", evaluate_first: bool = True) -> RunOutcome:
     """Evaluate (if the trainer has held-out tasks, and `evaluate_first`), train, evaluate again, save the model, stop
@@ -51,7 +60,7 @@ def train_and_report(trainer: Any, resume_from_checkpoint: str | bool | None = N
     if held_out:
         trainer.args.eval_on_start = evaluate_first
         trainer.add_callback(evaluations)
-    trainer.train(resume_from_checkpoint=resume_from_checkpoint)
+    trainer.train(resume_from_checkpoint=resume_target(resume_from_checkpoint))
     before = evaluations.made[0][1] if evaluate_first and evaluations.made else None
     after = None
     if held_out:

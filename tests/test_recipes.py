@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import shutil
 import subprocess
 import sys
@@ -19,7 +20,7 @@ from bench.gpu_check import deepspeed_launcher
 from gigpo_trl.config import GiGPOConfig
 from gigpo_trl.env_checker import check_env
 from gigpo_trl.envs import make_env, registered_envs
-from gigpo_trl.records import read_evaluations
+from gigpo_trl.records import read_evaluations, read_iterations
 from gigpo_trl.tasks import TaskArguments
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
@@ -59,9 +60,10 @@ def test_learning_configs_build_their_environment(config):
     check_env(make_env(settings["env_name"], **settings["env_kwargs"]))
 
 
-def run_recipe(launcher: list[str], model_dir: str, output_dir: Path, config: str = "smoke_cpu.yaml") -> subprocess.CompletedProcess:
+def run_recipe(launcher: list[str], model_dir: str, output_dir: Path, config: str = "smoke_cpu.yaml",
+               *options: str) -> subprocess.CompletedProcess:
     command = [*launcher, str(RECIPES / "train_gigpo.py"), "--config", str(RECIPES / "configs" / config),
-               "--model_name_or_path", model_dir, "--output_dir", str(output_dir)]
+               "--model_name_or_path", model_dir, "--output_dir", str(output_dir), *options]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     return result
@@ -74,6 +76,18 @@ def test_the_recipe_trains_evaluates_saves_and_reports(tmp_path, tiny_model_path
     assert "Held-out success rate (2 tasks):" in result.stdout
     assert (tmp_path / "model.safetensors").is_file()
     assert (tmp_path / "report" / "index.html").is_file()
+
+
+@pytest.mark.timeout(600)
+def test_the_recipe_resumes_from_the_last_checkpoint_when_told_true_on_the_command_line(tmp_path, tiny_model_path):
+    run_recipe([sys.executable], tiny_model_path, tmp_path, "smoke_cpu.yaml", "--max_steps", "1",
+               "--save_strategy", "steps", "--save_steps", "1")
+    run_recipe([sys.executable], tiny_model_path, tmp_path, "smoke_cpu.yaml", "--max_steps", "2",
+               "--save_strategy", "steps", "--save_steps", "1", "--resume_from_checkpoint", "true")
+
+    state = json.loads((tmp_path / "checkpoint-2" / "trainer_state.json").read_text())
+    assert state["global_step"] == 2
+    assert [record["step"] for record in read_iterations(tmp_path) if record["mode"] == "train"] == [0, 1]
 
 
 @pytest.mark.skipif(shutil.which("java") is None, reason="TextWorldExpress needs a Java runtime (java)")
