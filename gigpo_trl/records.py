@@ -16,7 +16,8 @@
         [{"group", "trajectory", "seed", "length", "return", "won" (null: the environment did not say), "truncated",
           "env_error", "ends_in_cycle", "distinct_states",
           "steps": [{"step", "observation", "completion", "action", "valid", "reward", "step_group_size",
-                     "episode_advantage", "step_advantage", "advantage", "next_state", "revisit", "reversal"}]}]
+                     "episode_advantage", "step_advantage", "advantage", "next_state", "revisit", "stay",
+                     "turn_back"}]}]
         The loop fields (`gigpo_trl.loops.EpisodeLoops`) are null where unknown or not counted, and everywhere in an
         episode whose anchors are not states.
 """
@@ -73,7 +74,7 @@ def episode_records(rollout: Rollout, gigpo: GiGPOAdvantages, limit: int) -> lis
                 "episode_advantage": float(gigpo.episode_advantages[row]),
                 "step_advantage": float(gigpo.step_advantages[row]), "advantage": float(gigpo.advantages[row]),
                 "next_state": loops.next_state[t] if loops else None, "revisit": loops.revisit[t] if loops else None,
-                "reversal": loops.reversal[t] if loops else None,
+                "stay": loops.stay[t] if loops else None, "turn_back": loops.turn_back[t] if loops else None,
             }
             for t, row in enumerate(samples.rows_of(episode.trajectory))
         ]

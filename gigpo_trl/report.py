@@ -37,9 +37,10 @@ PLOT_CAPTIONS = {
     "step_groups.png": "Step groups: the states that several copies of a task reached, whose steps GiGPO compares.",
     "advantages.png": "Distributions of the episode advantage A_E and of the step advantage A_S over step samples.",
     "loops.png": "Loops, counted from the anchors: the share of steps that go back to a state their episode had "
-                 "visited, of immediate reversals (back to the state of two steps before), of episodes cut off inside "
-                 "a cycle, and the distinct states per episode (docs/metrics.md). Not applicable where the "
-                 "environment's anchors are histories, not states.",
+                 "visited, of steps that stay where they were (a move into a wall, an action that changes nothing), "
+                 "of steps that turn straight back to the state they came from, of episodes cut off inside a cycle, "
+                 "and the distinct states per episode (docs/metrics.md). Not applicable where the environment's "
+                 "anchors are histories, not states.",
 }
 # Drawn when the run recorded its training steps' logs (gigpo/updates.jsonl).
 HEALTH_CAPTION = ("health.png", "Early warnings of a collapse (RAGEN's): the policy entropy and the gradient norm of "
@@ -69,7 +70,8 @@ KEY_METRICS = {
     "env/invalid_action_rate": "share of answers without a well-formed <action> block",
     "env/group_return_std": "mean over task groups of the standard deviation of their copies' returns",
     "loops/revisit_share": "share of steps that go back to a state their episode had visited",
-    "loops/reversal_share": "share of steps back to the state of two steps before",
+    "loops/stay_share": "share of steps that stay in the state they were taken in",
+    "loops/turn_back_share": "share of steps straight back to the state they came from",
     "loops/cycle_end_share": "share of episodes cut off inside a cycle",
     "loops/distinct_states_mean": "distinct states per episode",
     "env/step_samples": "step samples (one per environment step)",
@@ -159,13 +161,14 @@ def _plot_outcomes(train: list[dict[str, Any]], evaluation: list[dict[str, Any]]
 def _plot_loops(train: list[dict[str, Any]], evaluation: list[dict[str, Any]]) -> Figure:
     panels = (
         ("loops/revisit_share", "Revisits", "share of steps back to a visited state"),
-        ("loops/reversal_share", "Immediate reversals", "share of steps back to the state two before"),
+        ("loops/stay_share", "Stays", "share of steps that stay in their state"),
+        ("loops/turn_back_share", "Turn-backs", "share of steps back to the state they came from"),
         ("loops/cycle_end_share", "Episodes ending in a cycle", "share of episodes cut off in a visited state"),
         ("loops/distinct_states_mean", "Distinct states", "states per episode (the start included)"),
     )
     applicable = any(name.startswith("loops/") for record in train + evaluation for name in record["metrics"])
     not_reported = {} if applicable else {metric: LOOPS_NOT_APPLICABLE for metric, _, _ in panels}
-    return _metric_panels(train, evaluation, panels, not_reported, shares=(0, 1, 2))
+    return _metric_panels(train, evaluation, panels, not_reported, shares=(0, 1, 2, 3))
 
 
 def _metric_panels(train: list[dict[str, Any]], evaluation: list[dict[str, Any]], panels: Sequence[tuple[str, str, str]],
@@ -427,7 +430,7 @@ def _trajectory_viewer(records: list[dict[str, Any]], trajectories: dict[str, li
         "<p>Each rollout lists its sample episodes (the trainer records the first <code>log_trajectories</code> "
         "episodes of every rollout); open an episode to see its steps in order. Rows of invalid answers are shaded; "
         "the state after each step is numbered in the order the episode first visited it, and a step back to a "
-        "visited state is marked (revisit, reversal); "
+        "visited state is marked (stay, turn back, or revisit); "
         "A = A_E + step_advantage_weight &times; A_S is the advantage of the loss.</p>",
         '<p><button type="button" onclick="setAll(true)">expand all</button> '
         '<button type="button" onclick="setAll(false)">collapse all</button></p>',
@@ -471,8 +474,8 @@ def _episode_details(episode: dict[str, Any]) -> str:
             ("answer", "the model's completion"),
             ("action sent", "what the environment received"),
             ("state after", "the state the action led to, numbered in the order the episode first visited its states "
-                            "(#0: the start); 'revisit': visited before in the episode; 'reversal': the state of two "
-                            "steps before (docs/metrics.md)"),
+                            "(#0: the start); 'stay': the state the step was taken in; 'turn back': the state it came "
+                            "from; 'revisit': visited earlier in the episode (docs/metrics.md)"),
             ("valid", "the answer had a well-formed <action> block"),
             ("reward", "r_t, received after the action"),
             ("step group", "how many step samples of the task group were taken in this state"),
@@ -495,11 +498,12 @@ def _episode_details(episode: dict[str, Any]) -> str:
 
 
 def _state_after(step: dict[str, Any]) -> str:
-    """'#k', with 'revisit' or 'reversal' where the step went back; '–' where unknown or not a state."""
+    """'#k', with 'stay', 'turn back' or 'revisit' where the step went back; '–' where unknown or not a state."""
     number = step.get("next_state")
     if number is None:
         return "–"
-    mark = " reversal" if step.get("reversal") else " revisit" if step.get("revisit") else ""
+    mark = (" stay" if step.get("stay") else " turn back" if step.get("turn_back")
+            else " revisit" if step.get("revisit") else "")
     return f"#{number}{mark}"
 
 

@@ -27,7 +27,7 @@ from gigpo_trl.dynamic_sampling import (
 from gigpo_trl.env_pool import EnvPool
 from gigpo_trl.envs import TextEnv, env_factory
 from gigpo_trl.generation import completions_from_tokens, greedy_decoding, vllm_awake
-from gigpo_trl.loops import LOOP_WARNING, LoopAlarm, entropy_baseline, loop_warning_due
+from gigpo_trl.health import HEALTH_METRICS, TrainingHealth
 from gigpo_trl.loss import entropy_bonus, next_entropy_coef, rollout_token_normalizer, row_chunks
 from gigpo_trl.metrics import (
     GRAD_NORM_SPIKE_WINDOW, SINGLETON_WARNING, SINGLETON_WARNING_SHARE, PanelEpisode, RolloutSummary, RolloutTimes,
@@ -189,8 +189,7 @@ class GiGPOTrainer(GRPOTrainer):
         self._seconds_outside_updates = 0.0  # evaluation time since then, which is not the update's
         self._warned_singletons = False
         self._grad_norms: deque[float] = deque(maxlen=GRAD_NORM_SPIKE_WINDOW)  # of the latest logged training steps
-        self._logged_entropies: list[float] = []  # the policy entropy of every logged training step
-        self._loop_alarm: LoopAlarm | None = None  # the last loop warning
+        self._health = TrainingHealth()  # the training-health rules over the logged training steps
         self._rollouts_recorded = count_rollouts(args.output_dir)
         self.last_rollout: Rollout | None = None  # the latest rollout of this process (trajectories, for reports)
         self._eval_episodes: list[PanelEpisode] = []  # this process's evaluation episodes since the last log
@@ -535,22 +534,17 @@ class GiGPOTrainer(GRPOTrainer):
 
     def _check_training_health(self, logs: dict[str, float]) -> None:
         """RAGEN's early warnings on a training step's log: the gradient norm over the median of the last
-        GRAD_NORM_SPIKE_WINDOW logged before it (`grad_norm/spike`), and the loop warning (`loop_warning_due`: the
-        training rollouts' revisit share high while the entropy falls), once and again each time it worsens."""
+        GRAD_NORM_SPIKE_WINDOW logged before it (`grad_norm/spike`), and the training-health rules
+        (`gigpo_trl.health`: no learning signal, stuck in place, back and forth), each said once and again when it
+        worsens."""
         grad_norm = logs.get("grad_norm")
         if grad_norm is not None and math.isfinite(grad_norm):
             spike = trailing_ratio(grad_norm, self._grad_norms)
             if spike is not None:
                 logs["grad_norm/spike"] = spike
             self._grad_norms.append(grad_norm)
-        entropy, revisit_share = (self._logged_mean(name) for name in ("entropy", "loops/revisit_share"))
-        if entropy is None:
-            return
-        self._logged_entropies.append(entropy)
-        if revisit_share is not None and loop_warning_due(revisit_share, self._logged_entropies, self._loop_alarm):
-            self._loop_alarm = LoopAlarm(revisit_share, entropy)
-            warnings.warn(LOOP_WARNING.format(revisit=revisit_share, entropy=entropy,
-                                              start_entropy=entropy_baseline(self._logged_entropies)), stacklevel=2)
+        for warning in self._health.check({name: self._logged_mean(name) for name in HEALTH_METRICS}):
+            warnings.warn(warning.message, stacklevel=2)
 
     def _logged_mean(self, name: str) -> float | None:
         """The mean of a training metric's values since the last log (NaN left out, as GRPOTrainer's log does)."""

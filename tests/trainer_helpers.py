@@ -11,9 +11,11 @@ from trl.distributed import DistributedBackend
 from trl.generation.vllm_generation import VLLMGeneration
 from toy_envs import Corridor
 
+from gigpo_trl.advantages import compute_gigpo_advantages
 from gigpo_trl.config import GiGPOConfig
 from gigpo_trl.envs import register_env
-from gigpo_trl.rollout import Completion
+from gigpo_trl.metrics import RolloutSummary, RolloutTimes, rollout_metrics
+from gigpo_trl.rollout import Completion, Rollout
 from gigpo_trl.trainer import GiGPOTrainer
 
 register_env("corridor", Corridor, overwrite=True)
@@ -28,6 +30,15 @@ def cpu_config(tmp_path, **overrides) -> GiGPOConfig:
         report_to=[], gradient_checkpointing=False, learning_rate=1e-3, save_strategy="no", seed=0, bf16=False,
     )
     return GiGPOConfig(**{**settings, **overrides})
+
+
+def logged_metrics(rollout: Rollout) -> dict[str, float]:
+    """The metrics the trainer logs of a rollout of one process, every step sample in the update."""
+    steps = rollout.steps
+    gigpo = compute_gigpo_advantages(steps.reward, steps.group, steps.trajectory, steps.step, steps.anchor)
+    summary = RolloutSummary.of(rollout, gigpo, RolloutTimes(1.0, 0.5, 0.5, 0.0), max_completion_length=8,
+                                end_token_ids={4}, update_samples=range(len(steps)))
+    return rollout_metrics([summary])
 
 
 def settings_config(tmp_path, **overrides) -> GiGPOConfig:
