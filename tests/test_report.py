@@ -37,7 +37,7 @@ def run_dir(tmp_path_factory, tiny_model_path) -> Path:
     config = GiGPOConfig(
         output_dir=str(output_dir), per_device_train_batch_size=4, num_generations=2, steps_per_generation=1,
         gradient_accumulation_steps=1, max_steps=4, max_completion_length=2, max_env_steps=4, logging_steps=1,
-        report_to=[], gradient_checkpointing=False, save_strategy="no", eval_strategy="steps", eval_steps=2,
+        report_to=[], activation_checkpointing=False, save_strategy="no", eval_strategy="steps", eval_steps=2,
         per_device_eval_batch_size=2, env_processes=False, disable_tqdm=True, seed=0,
     )
     trainer = ScriptedTrainer(tiny_model_path, args=config, env=Corridor, train_dataset=task_dataset(range(4)),
@@ -246,7 +246,7 @@ def sampled_run_dir(tmp_path_factory, tiny_model_path) -> Path:
     config = GiGPOConfig(
         output_dir=str(output_dir), per_device_train_batch_size=4, num_generations=2, steps_per_generation=1,
         gradient_accumulation_steps=1, max_steps=2, max_completion_length=2, max_env_steps=4, logging_steps=1,
-        report_to=[], gradient_checkpointing=False, save_strategy="no", env_processes=False, disable_tqdm=True, seed=0,
+        report_to=[], activation_checkpointing=False, save_strategy="no", env_processes=False, disable_tqdm=True, seed=0,
         invalid_action_penalty=0.0, dynamic_sampling_max_rounds=2, shuffle_dataset=False,
     )
     lengths = [12, 3, 12, 12, 12, 3]

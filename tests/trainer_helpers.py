@@ -27,7 +27,7 @@ def cpu_config(tmp_path, **overrides) -> GiGPOConfig:
     settings = dict(
         output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2, steps_per_generation=2,
         gradient_accumulation_steps=2, max_steps=2, max_completion_length=12, max_env_steps=4, logging_steps=1,
-        report_to=[], gradient_checkpointing=False, learning_rate=1e-3, save_strategy="no", seed=0, bf16=False,
+        report_to=[], activation_checkpointing=False, learning_rate=1e-3, save_strategy="no", seed=0, bf16=False,
     )
     return GiGPOConfig(**{**settings, **overrides})
 
