@@ -12,14 +12,17 @@ measured runs the thresholds come from):
   (`dynamic_sampling/groups_missing` of the groups asked); under reward-std filtering the kept groups without spread
   (`reward_std_filter/groups_kept_zero_std` of `reward_std_filter/groups_kept`).
 - **Stuck in place** (`stuck_warning`): at least STAY_SHARE of the training steps stay in the state they were taken
-  in (`loops/stay_share`: a move into a wall, an action that changes nothing) while the policy's entropy has fallen to
-  at most ENTROPY_FALL of its start, over the last LOOP_WINDOW logged training steps: a collapse into walking one way,
-  which never loops back and forth.
+  in (`loops/stay_share`: a move into a wall, an action that changes nothing) over the last LOOP_WINDOW logged
+  training steps, while the policy has collapsed: a collapse into walking one way, which never loops back and forth.
 - **Back and forth** (`back_and_forth_warning`): at least TURN_BACK_SHARE of the training steps go straight back to
-  the state they came from (`loops/turn_back_share`) while the entropy has fallen as above: RAGEN's "Echo Trap".
+  the state they came from (`loops/turn_back_share`) while the policy has collapsed: RAGEN's "Echo Trap".
 
-The entropy's start is the mean of the first ENTROPY_BASELINE_LOGS logged training steps (it starts afresh in a
-resumed run); a window's figures are the means of its logged steps. `TrainingHealth` applies the rules once per
+A policy has collapsed over a window when its entropy has fallen to at most ENTROPY_FALL of its start (the mean of
+the first ENTROPY_BASELINE_LOGS logged training steps; it starts afresh in a resumed run), or when at least
+NO_SIGNAL_SHARE of its task groups carried no signal, the tasks unsolved (its copies play alike: the token entropy
+can stay where it was, diluted by the answer's format tokens, while the one token that picks the action has
+collapsed). Without either, the same loops are a random walk's, which is no stall. A window's figures are the means
+of its logged steps. `TrainingHealth` applies the rules once per
 logged training step and says each once, and again each time it worsens (its figure up by WORSENING since it was last
 said, or the entropy at most ENTROPY_FALL of what it was then). `replay_health` applies them to a run's records. No
 torch and no trainer state here.
@@ -40,7 +43,7 @@ NO_SIGNAL_WINDOW = 10
 NO_SIGNAL_SHARE = 0.9
 SOLVED_SUCCESS = 0.9
 LOOP_WINDOW = 5
-STAY_SHARE = 0.4
+STAY_SHARE = 0.35
 TURN_BACK_SHARE = 0.6
 WORSENING = 0.1
 
@@ -140,23 +143,23 @@ def stuck_warning(history: Sequence[Mapping[str, float]]) -> HealthWarning | Non
     """The stuck-in-place rule (the module docstring) on the logged training steps so far, the latest last."""
     return _collapse_warning(
         history, "loops/stay_share", STAY_SHARE, "stuck",
-        lambda share, window, start, entropy: (
-            f"the policy is stuck in place: over the last {window} logged training steps, {share:.0%} of its steps "
+        lambda share, evidence: (
+            f"the policy is stuck in place: over the last {LOOP_WINDOW} logged training steps, {share:.0%} of its steps "
             f"stay in the state they were taken in (loops/stay_share: a move into a wall, an action that changes "
-            f"nothing) while its entropy fell from {start:.3g} to {entropy:.3g}. A policy that has become "
-            f"deterministic repeats one action where it cannot tell that it does not help: it walks one way into a "
-            f"wall, or repeats an answer that changes nothing. {COLLAPSE_ADVICE}"))
+            f"nothing) while {evidence}. A policy that has become deterministic repeats one action where it cannot tell "
+            f"that it does not help: it walks one way into a wall, or repeats an answer that changes nothing. "
+            f"{COLLAPSE_ADVICE}"))
 
 
 def back_and_forth_warning(history: Sequence[Mapping[str, float]]) -> HealthWarning | None:
     """The back-and-forth rule (the module docstring) on the logged training steps so far, the latest last."""
     return _collapse_warning(
         history, "loops/turn_back_share", TURN_BACK_SHARE, "back_and_forth",
-        lambda share, window, start, entropy: (
-            f"the policy walks back and forth: over the last {window} logged training steps, {share:.0%} of its steps "
-            f"go straight back to the state they came from (loops/turn_back_share) while its entropy fell from "
-            f"{start:.3g} to {entropy:.3g}. A policy that has become deterministic repeats itself where it cannot "
-            f"tell where it came from (RAGEN's Echo Trap). {COLLAPSE_ADVICE}"))
+        lambda share, evidence: (
+            f"the policy walks back and forth: over the last {LOOP_WINDOW} logged training steps, {share:.0%} of its "
+            f"steps go straight back to the state they came from (loops/turn_back_share) while {evidence}. A policy "
+            f"that has become deterministic repeats itself where it cannot tell where it came from (RAGEN's Echo "
+            f"Trap). {COLLAPSE_ADVICE}"))
 
 
 RULES: tuple[Callable[[Sequence[Mapping[str, float]]], HealthWarning | None], ...] = (
@@ -165,17 +168,30 @@ RULES: tuple[Callable[[Sequence[Mapping[str, float]]], HealthWarning | None], ..
 
 
 def _collapse_warning(history: Sequence[Mapping[str, float]], metric: str, threshold: float, rule: str,
-                      message: Callable[[float, int, float, float], str]) -> HealthWarning | None:
-    """A loop metric's mean over the last LOOP_WINDOW logged steps at least `threshold` while the entropy's mean over
-    them is at most ENTROPY_FALL of its start; the window lies after the baseline's logged steps."""
+                      message: Callable[[float, str], str]) -> HealthWarning | None:
+    """A loop metric's mean over the last LOOP_WINDOW logged steps at least `threshold` while the policy shows that it
+    has collapsed: its entropy's mean over them at most ENTROPY_FALL of its start (the window lies after the
+    baseline's logged steps), or at least NO_SIGNAL_SHARE of its task groups without signal (their copies play alike;
+    not when the tasks are solved, as in `no_signal_warning`)."""
     if len(history) < ENTROPY_BASELINE_LOGS + LOOP_WINDOW:
         return None
-    start = _window_mean(history[:ENTROPY_BASELINE_LOGS], "entropy")
     window = history[-LOOP_WINDOW:]
-    share, entropy = _window_mean(window, metric), _window_mean(window, "entropy")
-    if start is None or share is None or entropy is None or share < threshold or entropy > ENTROPY_FALL * start:
+    share = _window_mean(window, metric)
+    if share is None or share < threshold:
         return None
-    return HealthWarning(rule, share, entropy, message(share, LOOP_WINDOW, start, entropy))
+    start, entropy = _window_mean(history[:ENTROPY_BASELINE_LOGS], "entropy"), _window_mean(window, "entropy")
+    if start is not None and entropy is not None and entropy <= ENTROPY_FALL * start:
+        return HealthWarning(rule, share, entropy, message(share, f"its entropy fell from {start:.3g} to {entropy:.3g}"))
+    shares = [no_signal_share(metrics) for metrics in window]
+    success = _window_mean(window, "env/success_rate")
+    if None in shares or (success is not None and success >= SOLVED_SUCCESS):
+        return None
+    tied = statistics.fmean(share for share, _ in shares)
+    if tied < NO_SIGNAL_SHARE:
+        return None
+    evidence = (f"{tied:.0%} of its task groups carried no signal ({shares[-1][1]}): the copies of a task play "
+                f"alike")
+    return HealthWarning(rule, share, entropy, message(share, evidence))
 
 
 def _window_mean(window: Sequence[Mapping[str, float]], name: str) -> float | None:

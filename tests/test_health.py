@@ -100,6 +100,12 @@ def test_a_collapse_is_said_when_its_loop_share_is_high_while_the_entropy_falls(
     assert rule(collapse(FALLING[:-1], **{metric: 1.0})) is None  # the window is not yet after the baseline
     assert rule(collapse(STEADY, **{metric: 1.0})) is None  # as uncertain as at the start: a random walk, not a collapse
     assert rule(collapse(FALLING, **{metric: threshold - 0.05})) is None  # the entropy fell, but no such loop
+    # The token entropy may stay where it was while the copies of every task play alike (setting F's rerun): a
+    # collapse too, unless every copy wins.
+    alike = rule(collapse(STEADY, **{metric: threshold, "frac_reward_zero_std": 1.0, "env/success_rate": 0.5}))
+    assert alike is not None and "100% of its task groups carried no signal (frac_reward_zero_std)" in alike.message
+    solved = collapse(STEADY, **{metric: threshold, "frac_reward_zero_std": 1.0, "env/success_rate": SOLVED_SUCCESS})
+    assert rule(solved) is None
 
 
 def test_each_warning_is_said_once_and_again_when_it_worsens():
@@ -177,6 +183,7 @@ def test_a_policy_that_walks_one_way_into_the_wall_is_said_to_be_stuck_and_witho
     assert metrics["loops/revisit_share"] < 0.8  # the loop warning of before never fired on it
     assert metrics["frac_reward_zero_std"] == 1.0 and metrics["env/success_rate"] == 0.5
     assert said_over(metrics, FALLING_RUN) == {"stuck", "no_signal"}
+    assert said_over(metrics, STEADY_RUN) == {"stuck", "no_signal"}  # its copies play alike, whatever the entropy
 
 
 def test_a_policy_that_walks_back_and_forth_is_said_to_and_without_signal():
