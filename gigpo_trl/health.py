@@ -21,11 +21,13 @@ A policy has collapsed over a window when its entropy has fallen to at most ENTR
 the first ENTROPY_BASELINE_LOGS logged training steps; it starts afresh in a resumed run), or when at least
 NO_SIGNAL_SHARE of its task groups carried no signal, the tasks unsolved (its copies play alike: the token entropy
 can stay where it was, diluted by the answer's format tokens, while the one token that picks the action has
-collapsed). Without either, the same loops are a random walk's, which is no stall. A window's figures are the means
-of its logged steps. `TrainingHealth` applies the rules once per
-logged training step and says each once, and again each time it worsens (its figure up by WORSENING since it was last
-said, or the entropy at most ENTROPY_FALL of what it was then). `replay_health` applies them to a run's records. No
-torch and no trainer state here.
+collapsed). Without either, the same loops are a random walk's, which is no stall. No rule speaks while the policy
+wins at least SOLVED_SUCCESS of its training episodes (the window's mean `env/success_rate`; where the environment
+does not say what is won, the rules apply as they are). A window's figures are the means of its logged steps.
+
+`TrainingHealth` applies the rules once per logged training step and says each once, and again each time it worsens
+(its figure up by WORSENING since it was last said, or the entropy at most ENTROPY_FALL of what it was then).
+`replay_health` applies them to a run's records. No torch and no trainer state here.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ NO_SIGNAL_WINDOW = 10
 NO_SIGNAL_SHARE = 0.9
 SOLVED_SUCCESS = 0.9
 LOOP_WINDOW = 5
-STAY_SHARE = 0.35
+STAY_SHARE = 0.4
 TURN_BACK_SHARE = 0.6
 WORSENING = 0.1
 
@@ -171,20 +173,20 @@ def _collapse_warning(history: Sequence[Mapping[str, float]], metric: str, thres
                       message: Callable[[float, str], str]) -> HealthWarning | None:
     """A loop metric's mean over the last LOOP_WINDOW logged steps at least `threshold` while the policy shows that it
     has collapsed: its entropy's mean over them at most ENTROPY_FALL of its start (the window lies after the
-    baseline's logged steps), or at least NO_SIGNAL_SHARE of its task groups without signal (their copies play alike;
-    not when the tasks are solved, as in `no_signal_warning`)."""
+    baseline's logged steps), or at least NO_SIGNAL_SHARE of its task groups without signal (their copies play alike).
+    Never while the policy wins at least SOLVED_SUCCESS of its training episodes: it has learned (the idle steps of
+    a policy that wins stay, and its entropy falls as it becomes sure)."""
     if len(history) < ENTROPY_BASELINE_LOGS + LOOP_WINDOW:
         return None
     window = history[-LOOP_WINDOW:]
-    share = _window_mean(window, metric)
-    if share is None or share < threshold:
+    share, success = _window_mean(window, metric), _window_mean(window, "env/success_rate")
+    if share is None or share < threshold or (success is not None and success >= SOLVED_SUCCESS):
         return None
     start, entropy = _window_mean(history[:ENTROPY_BASELINE_LOGS], "entropy"), _window_mean(window, "entropy")
     if start is not None and entropy is not None and entropy <= ENTROPY_FALL * start:
         return HealthWarning(rule, share, entropy, message(share, f"its entropy fell from {start:.3g} to {entropy:.3g}"))
     shares = [no_signal_share(metrics) for metrics in window]
-    success = _window_mean(window, "env/success_rate")
-    if None in shares or (success is not None and success >= SOLVED_SUCCESS):
+    if None in shares:
         return None
     tied = statistics.fmean(share for share, _ in shares)
     if tied < NO_SIGNAL_SHARE:

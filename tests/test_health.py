@@ -106,6 +106,8 @@ def test_a_collapse_is_said_when_its_loop_share_is_high_while_the_entropy_falls(
     assert alike is not None and "100% of its task groups carried no signal (frac_reward_zero_std)" in alike.message
     solved = collapse(STEADY, **{metric: threshold, "frac_reward_zero_std": 1.0, "env/success_rate": SOLVED_SUCCESS})
     assert rule(solved) is None
+    # A policy that wins has learned, however sure it has become and however often it idles (setting E's run).
+    assert rule(collapse(FALLING, **{metric: 1.0, "env/success_rate": SOLVED_SUCCESS})) is None
 
 
 def test_each_warning_is_said_once_and_again_when_it_worsens():
