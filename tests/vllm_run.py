@@ -1,6 +1,6 @@
 """Launched by tests/test_vllm.py under `accelerate launch` with the recipes' DeepSpeed ZeRO-3 config: vLLM colocate
 training in every process (`vllm_helpers.train`, at a learning rate that moves the tiny policy), on CPU with
-vLLM's CPU engine settings and weight-layout shim (bench/vllm_cpu.py). The main process writes the training logs and
+vLLM's CPU engine settings and weight-layout shim (scripts/vllm_cpu.py). The main process writes the training logs and
 what trained the model to OUTPUT_DIR/metrics.json.
 
     accelerate launch --config_file recipes/accelerate/deepspeed_zero3.yaml --num_processes 2 --mixed_precision no \\
@@ -16,7 +16,7 @@ from pathlib import Path
 from trainer_helpers import backend_facts
 from vllm_helpers import CUDA, train, training_logs, vllm_config
 
-from bench.vllm_cpu import keep_weights_for_sync, use_cpu_engine_environment
+from scripts.vllm_cpu import keep_weights_for_sync, use_cpu_engine_environment
 
 
 def main(options: argparse.Namespace) -> None:
