@@ -69,7 +69,8 @@ def bench_rollout(model: str, num_tasks: int, group_size: int, turns: int, token
 
     from gigpo_trl.config import GiGPOConfig
     from gigpo_trl.prompts import build_messages
-    from gigpo_trl.rollout import TextDialogue, collect_rollout
+    from gigpo_trl.dialogue import TextDialogue
+    from gigpo_trl.rollout import collect_rollout
     from gigpo_trl.tasks import Task, task_dataset
     from gigpo_trl.trainer import GiGPOTrainer
 

@@ -84,7 +84,7 @@ def one_pass(model: str, samples: int, prompt_tokens: int, answer_tokens: int, b
 
     from gigpo_trl import GiGPOConfig, GiGPOTrainer, task_dataset
     from gigpo_trl.batch import loss_batch
-    from gigpo_trl.rollout import Completion
+    from gigpo_trl.dialogue import Completion
 
     torch.manual_seed(0)
     config = GiGPOConfig(output_dir=str(ROOT / "outputs" / "update_memory"), env_name="rooms", env_processes=False,

@@ -36,6 +36,8 @@ import pandas as pd
 from rapidfuzz import process
 from rapidfuzz.distance import Indel
 
+from gigpo_trl.metric_names import GIGPO_PREFIX
+
 EPSILON = 1e-6
 NORM_MODES = ("mean_std", "mean")
 EPISODE_STATS_MODES = ("steps", "trajectories")
@@ -93,7 +95,7 @@ class StepGroupStats:
             step_advantage_std=step_std,
         )
 
-    def as_metrics(self, prefix: str = "gigpo/") -> dict[str, float]:
+    def as_metrics(self, prefix: str = GIGPO_PREFIX) -> dict[str, float]:
         """The statistics as a flat `{prefix + name: float}` dict, ready for a logger."""
         return {prefix + f.name: float(getattr(self, f.name)) for f in fields(self)}
 

@@ -41,6 +41,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 
 from gigpo_trl.advantages import GiGPOAdvantages
+from gigpo_trl.metric_names import DYNAMIC_SAMPLING_PREFIX, REWARD_STD_FILTER_PREFIX
 from gigpo_trl.rollout import Rollout, concatenate_rollouts
 
 SIGNAL_MODES = ("returns", "advantages")  # what makes a task group worth an update: see the module docstring
@@ -67,7 +68,7 @@ class SamplingCounts:
         return cls(**counts, extra_rounds=max(part.extra_rounds for part in parts),
                    extra_rollout_s=max(part.extra_rollout_s for part in parts))
 
-    def as_metrics(self, prefix: str = "dynamic_sampling/") -> dict[str, float]:
+    def as_metrics(self, prefix: str = DYNAMIC_SAMPLING_PREFIX) -> dict[str, float]:
         """The counts as a flat `{prefix + name: float}` dict, ready for a logger."""
         return {prefix + f.name: float(getattr(self, f.name)) for f in fields(self)}
 
@@ -274,7 +275,7 @@ class StdFilterCounts:
                    kept_std_mean=float(np.mean(kept_stds)) if kept_stds else 0.0,
                    dropped_std_mean=float(np.mean(dropped_stds)) if dropped_stds else 0.0)
 
-    def as_metrics(self, prefix: str = "reward_std_filter/") -> dict[str, float]:
+    def as_metrics(self, prefix: str = REWARD_STD_FILTER_PREFIX) -> dict[str, float]:
         """The counts as a flat `{prefix + name: float}` dict, ready for a logger."""
         return {prefix + f.name: float(getattr(self, f.name)) for f in fields(self)}
 

@@ -11,11 +11,11 @@ measured runs the thresholds come from):
   whose copies all got the same return (`frac_reward_zero_std`); under dynamic sampling the groups it could not find
   (`dynamic_sampling/groups_missing` of the groups asked); under reward-std filtering the kept groups without spread
   (`reward_std_filter/groups_kept_zero_std` of `reward_std_filter/groups_kept`).
-- **Stuck in place** (`stuck_warning`): at least STAY_SHARE of the training steps stay in the state they were taken
+- **Stuck in place** (`stuck_warning`): at least STUCK_STAYS of the training steps stay in the state they were taken
   in (`loops/stay_share`: a move into a wall, an action that changes nothing) over the last LOOP_WINDOW logged
   training steps, while the policy has collapsed: a collapse into walking one way, which never loops back and forth.
-- **Back and forth** (`back_and_forth_warning`): at least TURN_BACK_SHARE of the training steps go straight back to
-  the state they came from (`loops/turn_back_share`) while the policy has collapsed: RAGEN's "Echo Trap".
+- **Back and forth** (`back_and_forth_warning`): at least BACK_AND_FORTH_TURN_BACKS of the training steps go straight
+  back to the state they came from (`loops/turn_back_share`) while the policy has collapsed: RAGEN's "Echo Trap".
 
 A policy has collapsed over a window when its entropy has fallen to at most ENTROPY_FALL of its start (the mean of
 the first ENTROPY_BASELINE_LOGS logged training steps; it starts afresh in a resumed run), or when at least
@@ -39,21 +39,26 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from gigpo_trl.metric_names import (
+    FRAC_REWARD_ZERO_STD, GROUPS_KEPT, GROUPS_MISSING, STAY_SHARE, STD_FILTER_GROUPS_KEPT,
+    STD_FILTER_GROUPS_KEPT_ZERO_STD, SUCCESS_RATE, TURN_BACK_SHARE,
+)
+
 ENTROPY_BASELINE_LOGS = 3
 ENTROPY_FALL = 0.5
 NO_SIGNAL_WINDOW = 10
 NO_SIGNAL_SHARE = 0.9
 SOLVED_SUCCESS = 0.9
 LOOP_WINDOW = 5
-STAY_SHARE = 0.4
-TURN_BACK_SHARE = 0.6
+STUCK_STAYS = 0.4
+BACK_AND_FORTH_TURN_BACKS = 0.6
 WORSENING = 0.1
 
 # What the rules read of a logged training step (TRL's `entropy`, the rest `gigpo_trl.metrics.rollout_metrics`').
+ENTROPY = "entropy"  # TRL's: the policy's mean token entropy over the update's answers
 HEALTH_METRICS = (
-    "entropy", "env/success_rate", "frac_reward_zero_std", "dynamic_sampling/groups_kept",
-    "dynamic_sampling/groups_missing", "reward_std_filter/groups_kept", "reward_std_filter/groups_kept_zero_std",
-    "loops/stay_share", "loops/turn_back_share",
+    ENTROPY, SUCCESS_RATE, FRAC_REWARD_ZERO_STD, GROUPS_KEPT, GROUPS_MISSING, STD_FILTER_GROUPS_KEPT,
+    STD_FILTER_GROUPS_KEPT_ZERO_STD, STAY_SHARE, TURN_BACK_SHARE,
 )
 COLLAPSE_ADVICE = (
     "What to change: show the policy its past steps (history_length), sample more widely (temperature), reward "
@@ -62,27 +67,27 @@ COLLAPSE_ADVICE = (
     "which keeps those whose returns spread most)."
 )
 NO_SIGNAL_ADVICE = {
-    "frac_reward_zero_std": (
+    FRAC_REWARD_ZERO_STD: (
         "What to change: sample more widely (temperature, num_generations: more copies of a task are likelier to "
         "differ), make returns differ where outcomes do (a reward for progress, invalid_action_penalty), start from "
         "easier tasks, or train on the groups with a signal (dynamic_sampling_max_rounds, reward_std_filter_ratio)."
     ),
-    "dynamic_sampling/groups_missing": (
+    GROUPS_MISSING: (
         "What to change: let dynamic sampling look further (dynamic_sampling_max_rounds), sample more widely "
         "(temperature, num_generations), make returns differ where outcomes do (a reward for progress, "
         "invalid_action_penalty), or start from easier tasks."
     ),
-    "reward_std_filter/groups_kept_zero_std": (
+    STD_FILTER_GROUPS_KEPT_ZERO_STD: (
         "What to change: roll more groups for the filter to choose from (per_device_train_batch_size), sample more "
         "widely (temperature, num_generations), make returns differ where outcomes do (a reward for progress, "
         "invalid_action_penalty), or start from easier tasks."
     ),
 }
 NO_SIGNAL_MEANING = {
-    "frac_reward_zero_std": "the share of task groups whose copies all got the same return",
-    "dynamic_sampling/groups_missing": "the share of the task groups asked that dynamic sampling could not find "
+    FRAC_REWARD_ZERO_STD: "the share of task groups whose copies all got the same return",
+    GROUPS_MISSING: "the share of the task groups asked that dynamic sampling could not find "
                                        "with a signal within dynamic_sampling_max_rounds extra rounds",
-    "reward_std_filter/groups_kept_zero_std": "the share of the groups kept by reward_std_filter_ratio whose copies "
+    STD_FILTER_GROUPS_KEPT_ZERO_STD: "the share of the groups kept by reward_std_filter_ratio whose copies "
                                               "all got the same return",
 }
 
@@ -104,18 +109,18 @@ def no_signal_share(metrics: Mapping[str, float]) -> tuple[float, str] | None:
     groups it could not find (a group it kept always has a signal); with both, the larger; otherwise
     `frac_reward_zero_std`."""
     shares = []
-    if "dynamic_sampling/groups_missing" in metrics:
-        missing = metrics["dynamic_sampling/groups_missing"]
-        asked = metrics["dynamic_sampling/groups_kept"] + missing
-        shares.append((missing / asked if asked else 1.0, "dynamic_sampling/groups_missing"))
-    if "reward_std_filter/groups_kept_zero_std" in metrics:
-        kept = metrics["reward_std_filter/groups_kept"]
-        shares.append((metrics["reward_std_filter/groups_kept_zero_std"] / kept if kept else 1.0,
-                       "reward_std_filter/groups_kept_zero_std"))
+    if GROUPS_MISSING in metrics:
+        missing = metrics[GROUPS_MISSING]
+        asked = metrics[GROUPS_KEPT] + missing
+        shares.append((missing / asked if asked else 1.0, GROUPS_MISSING))
+    if STD_FILTER_GROUPS_KEPT_ZERO_STD in metrics:
+        kept = metrics[STD_FILTER_GROUPS_KEPT]
+        zero_std = metrics[STD_FILTER_GROUPS_KEPT_ZERO_STD]
+        shares.append((zero_std / kept if kept else 1.0, STD_FILTER_GROUPS_KEPT_ZERO_STD))
     if shares:
         return max(shares)
-    if "frac_reward_zero_std" in metrics:
-        return metrics["frac_reward_zero_std"], "frac_reward_zero_std"
+    if FRAC_REWARD_ZERO_STD in metrics:
+        return metrics[FRAC_REWARD_ZERO_STD], FRAC_REWARD_ZERO_STD
     return None
 
 
@@ -126,7 +131,7 @@ def no_signal_warning(history: Sequence[Mapping[str, float]]) -> HealthWarning |
     if len(window) < NO_SIGNAL_WINDOW or None in shares:
         return None
     share = statistics.fmean(share for share, _ in shares)
-    success = _window_mean(window, "env/success_rate")
+    success = _window_mean(window, SUCCESS_RATE)
     if share < NO_SIGNAL_SHARE or (success is not None and success >= SOLVED_SUCCESS):
         return None
     metric = shares[-1][1]
@@ -144,19 +149,19 @@ def no_signal_warning(history: Sequence[Mapping[str, float]]) -> HealthWarning |
 def stuck_warning(history: Sequence[Mapping[str, float]]) -> HealthWarning | None:
     """The stuck-in-place rule (the module docstring) on the logged training steps so far, the latest last."""
     return _collapse_warning(
-        history, "loops/stay_share", STAY_SHARE, "stuck",
+        history, STAY_SHARE, STUCK_STAYS, "stuck",
         lambda share, evidence: (
-            f"the policy is stuck in place: over the last {LOOP_WINDOW} logged training steps, {share:.0%} of its steps "
-            f"stay in the state they were taken in (loops/stay_share: a move into a wall, an action that changes "
-            f"nothing) while {evidence}. A policy that has become deterministic repeats one action where it cannot tell "
-            f"that it does not help: it walks one way into a wall, or repeats an answer that changes nothing. "
+            f"the policy is stuck in place: over the last {LOOP_WINDOW} logged training steps, {share:.0%} of its "
+            f"steps stay in the state they were taken in (loops/stay_share: a move into a wall, an action that changes "
+            f"nothing) while {evidence}. A policy that has become deterministic repeats one action where it cannot "
+            f"tell that it does not help: it walks one way into a wall, or repeats an answer that changes nothing. "
             f"{COLLAPSE_ADVICE}"))
 
 
 def back_and_forth_warning(history: Sequence[Mapping[str, float]]) -> HealthWarning | None:
     """The back-and-forth rule (the module docstring) on the logged training steps so far, the latest last."""
     return _collapse_warning(
-        history, "loops/turn_back_share", TURN_BACK_SHARE, "back_and_forth",
+        history, TURN_BACK_SHARE, BACK_AND_FORTH_TURN_BACKS, "back_and_forth",
         lambda share, evidence: (
             f"the policy walks back and forth: over the last {LOOP_WINDOW} logged training steps, {share:.0%} of its "
             f"steps go straight back to the state they came from (loops/turn_back_share) while {evidence}. A policy "
@@ -179,12 +184,13 @@ def _collapse_warning(history: Sequence[Mapping[str, float]], metric: str, thres
     if len(history) < ENTROPY_BASELINE_LOGS + LOOP_WINDOW:
         return None
     window = history[-LOOP_WINDOW:]
-    share, success = _window_mean(window, metric), _window_mean(window, "env/success_rate")
+    share, success = _window_mean(window, metric), _window_mean(window, SUCCESS_RATE)
     if share is None or share < threshold or (success is not None and success >= SOLVED_SUCCESS):
         return None
-    start, entropy = _window_mean(history[:ENTROPY_BASELINE_LOGS], "entropy"), _window_mean(window, "entropy")
+    start, entropy = _window_mean(history[:ENTROPY_BASELINE_LOGS], ENTROPY), _window_mean(window, ENTROPY)
     if start is not None and entropy is not None and entropy <= ENTROPY_FALL * start:
-        return HealthWarning(rule, share, entropy, message(share, f"its entropy fell from {start:.3g} to {entropy:.3g}"))
+        fell = f"its entropy fell from {start:.3g} to {entropy:.3g}"
+        return HealthWarning(rule, share, entropy, message(share, fell))
     shares = [no_signal_share(metrics) for metrics in window]
     if None in shares:
         return None
@@ -230,7 +236,8 @@ def _worse(warning: HealthWarning, last: HealthWarning) -> bool:
     return warning.entropy is not None and last.entropy is not None and warning.entropy <= ENTROPY_FALL * last.entropy
 
 
-def training_steps(iterations: Iterable[Mapping[str, Any]], updates: Iterable[Mapping[str, Any]]) -> list[dict[str, float]]:
+def training_steps(iterations: Iterable[Mapping[str, Any]],
+                   updates: Iterable[Mapping[str, Any]]) -> list[dict[str, float]]:
     """A run's logged training steps as the trainer's log saw them, from its records (`gigpo_trl.records`): each
     update record's metrics with the means of the training rollouts since the previous one (those recorded at its
     step or after, before this one's step)."""

@@ -31,6 +31,9 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, fields
 
+from gigpo_trl.metric_names import LOOPS_PREFIX
+
+
 @dataclass(frozen=True)
 class EpisodeLoops:
     """The loop figures of one episode of T steps (the module docstring defines them). Per step t, one entry each:
@@ -111,7 +114,7 @@ class LoopCounts:
         parts = list(parts)
         return cls(**{f.name: sum(getattr(part, f.name) for part in parts) for f in fields(cls)})
 
-    def as_metrics(self, prefix: str = "loops/") -> dict[str, float]:
+    def as_metrics(self, prefix: str = LOOPS_PREFIX) -> dict[str, float]:
         """`loops/revisit_share`, `loops/stay_share`, `loops/turn_back_share`, `loops/cycle_end_share`,
         `loops/distinct_states_mean`; each left out where it has nothing to count."""
         metrics = {}

@@ -9,6 +9,9 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from gigpo_trl.metric_names import (
+    PANEL_TASKS, PANEL_UNPLAYED, PANEL_UNPLAYED_TASKS, RETURN_MEAN, SUCCESS_RATE, evaluation_name,
+)
 from gigpo_trl.report import write_report
 
 
@@ -71,19 +74,19 @@ def held_out_line(panel: str, before: dict[str, Any] | None, after: dict[str, An
     not say whether a task is won), each over the tasks its evaluation played: where one could not play every task,
     how many it played and which it could not follow, e.g. "19.0% before training (63 of 64 tasks played; 1 could not
     be: seed 1000023) -> 26.6% after". `before` is None where the panel was not played before training."""
-    success = "eval_env/success_rate" in (before or {}) or "eval_env/success_rate" in after
-    name = "eval_env/success_rate" if success else "eval_env/return_mean"
+    success = evaluation_name(SUCCESS_RATE) in (before or {}) or evaluation_name(SUCCESS_RATE) in after
+    name = evaluation_name(SUCCESS_RATE) if success else evaluation_name(RETURN_MEAN)
 
     def figure(metrics: dict[str, Any] | None, when: str) -> str:
         if metrics is None:
             return f"not played {when} (evaluate_before_training false)"
         text = (f"{metrics[name]:.1%}" if success else f"{metrics[name]:.4g}") if name in metrics else "nothing played"
         text += f" {when}"
-        unplayed = int(metrics.get("eval_env/panel_unplayed", 0))
+        unplayed = int(metrics.get(evaluation_name(PANEL_UNPLAYED), 0))
         if unplayed:
-            tasks = int(metrics["eval_env/panel_tasks"])
+            tasks = int(metrics[evaluation_name(PANEL_TASKS)])
             text += (f" ({tasks - unplayed} of {tasks} tasks played; {unplayed} could not be: "
-                     f"{metrics['eval_env/panel_unplayed_tasks']})")
+                     f"{metrics[evaluation_name(PANEL_UNPLAYED_TASKS)]})")
         return text
 
     prefix = f"{panel}: " if success else f"{panel}: success not reported by the environment (no `won`); mean return "

@@ -41,6 +41,7 @@ import numpy as np
 from transformers.trainer_utils import get_last_checkpoint
 
 from gigpo_trl.advantages import GiGPOAdvantages
+from gigpo_trl.metric_names import GRAD_NORM_SPIKE
 from gigpo_trl.rollout import Rollout
 
 # Histogram bins of the advantages, centred on 0 (exact zeros are common: every singleton step group);
@@ -50,7 +51,7 @@ RECORDS_DIR = "gigpo"
 RECORD_FILES = ("iterations.jsonl", "evaluations.jsonl", "updates.jsonl")
 SET_ASIDE_PREFIX = "set_aside-"
 # What TRL logs of a training step that the report draws (those logged; `grad_norm/spike` is GiGPOTrainer's).
-UPDATE_METRICS = ("loss", "entropy", "grad_norm", "grad_norm/spike", "learning_rate")
+UPDATE_METRICS = ("loss", "entropy", "grad_norm", GRAD_NORM_SPIKE, "learning_rate")
 
 
 def iteration_record(step: int, mode: str, rollout: int, metrics: dict[str, float],

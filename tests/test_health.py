@@ -13,15 +13,16 @@ from pathlib import Path
 import pytest
 from trainer_helpers import cpu_config, logged_metrics
 
+from gigpo_trl.dialogue import Completion
 from gigpo_trl.env_pool import EnvPool
 from gigpo_trl.environments.rooms import RoomsEnv
 from gigpo_trl.health import (
-    ENTROPY_BASELINE_LOGS, LOOP_WINDOW, NO_SIGNAL_SHARE, NO_SIGNAL_WINDOW, SOLVED_SUCCESS, STAY_SHARE, TURN_BACK_SHARE,
-    TrainingHealth, back_and_forth_warning, no_signal_share, no_signal_warning, replay_health, stuck_warning,
-    training_steps,
+    BACK_AND_FORTH_TURN_BACKS, ENTROPY_BASELINE_LOGS, LOOP_WINDOW, NO_SIGNAL_SHARE, NO_SIGNAL_WINDOW, SOLVED_SUCCESS,
+    STUCK_STAYS, TrainingHealth, back_and_forth_warning, no_signal_share, no_signal_warning, replay_health,
+    stuck_warning, training_steps,
 )
 from gigpo_trl.records import read_updates
-from gigpo_trl.rollout import Completion, collect_rollout
+from gigpo_trl.rollout import collect_rollout
 from gigpo_trl.tasks import Task, task_dataset
 from gigpo_trl.trainer import GiGPOTrainer
 
@@ -88,8 +89,8 @@ STEADY = [1.0, 1.1, 0.9, 1.0, 0.9, 1.0, 0.9, 1.0]
 
 
 @pytest.mark.parametrize(("rule", "metric", "threshold", "words"), [
-    (stuck_warning, "loops/stay_share", STAY_SHARE, "stuck in place"),
-    (back_and_forth_warning, "loops/turn_back_share", TURN_BACK_SHARE, "back and forth"),
+    (stuck_warning, "loops/stay_share", STUCK_STAYS, "stuck in place"),
+    (back_and_forth_warning, "loops/turn_back_share", BACK_AND_FORTH_TURN_BACKS, "back and forth"),
 ])
 def test_a_collapse_is_said_when_its_loop_share_is_high_while_the_entropy_falls(rule, metric, threshold, words):
     assert len(FALLING) == ENTROPY_BASELINE_LOGS + LOOP_WINDOW
@@ -98,7 +99,7 @@ def test_a_collapse_is_said_when_its_loop_share_is_high_while_the_entropy_falls(
     assert f"last {LOOP_WINDOW} logged training steps" in warning.message and "from 1 to 0.48" in warning.message
     assert all(knob in warning.message for knob in COLLAPSE_KNOBS)
     assert rule(collapse(FALLING[:-1], **{metric: 1.0})) is None  # the window is not yet after the baseline
-    assert rule(collapse(STEADY, **{metric: 1.0})) is None  # as uncertain as at the start: a random walk, not a collapse
+    assert rule(collapse(STEADY, **{metric: 1.0})) is None  # as sure as at the start: a random walk
     assert rule(collapse(FALLING, **{metric: threshold - 0.05})) is None  # the entropy fell, but no such loop
     # The token entropy may stay where it was while the copies of every task play alike (setting F's rerun): a
     # collapse too, unless every copy wins.

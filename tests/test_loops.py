@@ -15,6 +15,7 @@ from toy_envs import Corridor
 from toy_tool_envs import IncrementEnv
 from trainer_helpers import cpu_config, logged_metrics
 
+from gigpo_trl.dialogue import Completion
 from gigpo_trl.env_checker import EnvCheckError, check_env
 from gigpo_trl.env_pool import EnvPool
 from gigpo_trl.environments.rooms import RoomsEnv
@@ -22,7 +23,7 @@ from gigpo_trl.loops import EpisodeLoops, LoopCounts, episode_loops
 from gigpo_trl.metrics import PanelEpisode, panel_metrics, trailing_ratio
 from gigpo_trl.records import read_evaluations, read_iterations, read_trajectories, read_updates
 from gigpo_trl.report import write_report
-from gigpo_trl.rollout import Completion, collect_rollout
+from gigpo_trl.rollout import collect_rollout
 from gigpo_trl.tasks import Task, task_dataset
 
 pytestmark = pytest.mark.timeout(300)

@@ -14,8 +14,9 @@ from toy_envs import Corridor
 from gigpo_trl.advantages import compute_gigpo_advantages
 from gigpo_trl.config import GiGPOConfig
 from gigpo_trl.envs import register_env
+from gigpo_trl.dialogue import Completion
 from gigpo_trl.metrics import RolloutSummary, RolloutTimes, rollout_metrics
-from gigpo_trl.rollout import Completion, Rollout
+from gigpo_trl.rollout import Rollout
 from gigpo_trl.trainer import GiGPOTrainer
 
 register_env("corridor", Corridor, overwrite=True)

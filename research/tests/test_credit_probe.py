@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 
 from gigpo_trl.advantages import anchor_step_groups, compute_gigpo_advantages
+from gigpo_trl.dialogue import Completion
 from gigpo_trl.env_pool import EnvPool
 from gigpo_trl.environments.rooms import RoomsEnv
-from gigpo_trl.rollout import Completion, StepColumns, collect_rollout
+from gigpo_trl.rollout import StepColumns, collect_rollout
 from gigpo_trl.tasks import Task
 from research.credit_probe import (
     LAMBDAS, bootstrapped_step_advantages, chosen_lambda, label_means, lambda_signal, lambda_verdict,
