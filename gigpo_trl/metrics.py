@@ -2,7 +2,8 @@
 
 A process summarizes its own rollout (`RolloutSummary.of`); the trainer gathers the summaries of all processes and
 `rollout_metrics` turns them into the logged numbers (`env/*`, `gigpo/*`, `loops/*`, `timing/*`, `dynamic_sampling/*`,
-`reward_std_filter/*`, TRL's `reward`, ...), so a metric means the same on one process and on many. Evaluations count
+`reward_std_filter/*`, TRL's `reward`, ...), so a metric means the same on one process and on many. An episode whose
+environment failed before its first action (`unplayed`) is in no mean, only in `env/env_error_share`. Evaluations count
 every held-out (task, copy) once, over the tasks they could play (`panel_metrics`, `panel_tasks`), and the loss's
 per-row metrics leave the lock-step padding rows out (`padding_free_row_metrics`; a micro-batch run in several passes
 logs one value, `merged_pass_metrics`). No torch and no trainer state here.
@@ -54,14 +55,15 @@ class RolloutSummary:
     """What one process's rollout contributes to the logged metrics: sums and counts, which add up over processes,
     extremes and times, whose maximum over processes is logged, and the step-group statistics of its advantages."""
 
-    episodes: int
+    episodes: int  # played: those whose environment did not fail before their first action (`unplayed`)
+    unplayed: int
     won: int
     success_known: int  # episodes whose environment said whether they were won (`Episode.won` is not None)
     return_sum: float
     return_squares: float
     length_sum: int
     truncated: int
-    env_errors: int
+    env_errors: int  # played episodes ended by their environment's failure
     task_groups: int
     equal_return_groups: int  # task groups whose copies all got the same return: no episode advantage
     spread_groups: int  # task groups of two trajectories or more
@@ -96,7 +98,7 @@ class RolloutSummary:
             sampling: what dynamic sampling did, when it is on.
             std_filter: what reward-std filtering did, when it is on (the same on every process).
         """
-        episodes, steps = rollout.episodes, rollout.steps
+        episodes, steps = [e for e in rollout.episodes if not unplayed(e)], rollout.steps
         returns = np.array([e.episode_return for e in episodes], dtype=np.float64)
         rewards = np.asarray(steps.reward, dtype=np.float64)
         answer_lengths = [len(c.completion_ids) for c in steps.completion]
@@ -106,6 +108,7 @@ class RolloutSummary:
         loops = [figures for figures in rollout.loops() if figures is not None]
         return cls(
             episodes=len(episodes),
+            unplayed=len(rollout.episodes) - len(episodes),
             won=sum(e.won is True for e in episodes),
             success_known=sum(e.won is not None for e in episodes),
             return_sum=float(returns.sum()),
@@ -162,7 +165,7 @@ def rollout_metrics(summaries: Sequence[RolloutSummary], update_seconds: float |
         RETURN_STD: _bessel_std(total("return_sum"), total("return_squares"), episodes),
         EPISODE_LENGTH_MEAN: total("length_sum") / max(episodes, 1),
         TRUNCATED_SHARE: total("truncated") / max(episodes, 1),
-        ENV_ERROR_SHARE: total("env_errors") / max(episodes, 1),
+        ENV_ERROR_SHARE: (total("env_errors") + total("unplayed")) / max(episodes + total("unplayed"), 1),
         INVALID_ACTION_RATE: total("invalid") / max(steps, 1),
         STEP_SAMPLES: steps,
         **step_groups,
@@ -275,10 +278,16 @@ class PanelEpisode:
     @classmethod
     def of(cls, episode: Episode, group_size: int, loops: EpisodeLoops | None = None) -> PanelEpisode:
         """`loops`: the episode's entry of `Rollout.loops()`."""
-        unplayed = episode.env_error if episode.length == 0 else None
         return cls(task_name(episode.seed, episode.options), episode.trajectory % group_size, episode.task_type,
-                   episode.won, episode.episode_return, episode.length, unplayed,
+                   episode.won, episode.episode_return, episode.length,
+                   episode.env_error if unplayed(episode) else None,
                    LoopCounts.of([loops]) if loops is not None else None)
+
+
+def unplayed(episode: Episode) -> bool:
+    """Whether an episode was never played: its environment failed before the first action (every reset attempt).
+    Such an episode is no episode of the means (a return of 0 in 0 steps it never had), only an environment failure."""
+    return episode.length == 0 and episode.env_error is not None
 
 
 def task_name(seed: int | None, options: dict | None) -> str:

@@ -11,7 +11,8 @@
          "tasks": [the names of the tasks played, "seed 7", ...],
          "unplayed": {name of a task that could not be played: why}}   (the metrics are over the tasks played)
     OUTPUT_DIR/gigpo/updates.jsonl               one JSON object per logged training step (`UPDATE_METRICS`):
-        {"step": int, "metrics": {"loss": float, "entropy": float, "grad_norm": float, "grad_norm/spike": float, ...}}
+        {"step": int, "metrics": {"loss": float, "entropy": float, "grad_norm": float, "grad_norm/spike": float, ...},
+         "warnings": [{"rule": str, "message": str}]}   (the training-health warnings it gave; only when any)
     OUTPUT_DIR/gigpo/trajectories/{mode}-{rollout:05d}.json   sample episodes of that rollout:
         [{"group", "trajectory", "seed", "length", "return", "won" (null: the environment did not say), "truncated",
           "env_error", "ends_in_cycle", "distinct_states",
@@ -41,6 +42,7 @@ import numpy as np
 from transformers.trainer_utils import get_last_checkpoint
 
 from gigpo_trl.advantages import GiGPOAdvantages
+from gigpo_trl.health import HealthWarning
 from gigpo_trl.metric_names import GRAD_NORM_SPIKE
 from gigpo_trl.rollout import Rollout
 
@@ -122,10 +124,15 @@ def read_evaluations(output_dir: str | Path) -> list[dict[str, Any]]:
     return _read(output_dir, "evaluations.jsonl")
 
 
-def write_update(output_dir: str | Path, step: int, logs: dict[str, float]) -> None:
-    """Append the record of one logged training step: the `UPDATE_METRICS` of its log, those logged."""
+def write_update(output_dir: str | Path, step: int, logs: dict[str, float],
+                 warnings: Sequence[HealthWarning] = ()) -> None:
+    """Append the record of one logged training step: the `UPDATE_METRICS` of its log, those logged, and the
+    training-health warnings it gave (`gigpo_trl.health`), if any."""
     metrics = {name: float(logs[name]) for name in UPDATE_METRICS if logs.get(name) is not None}
-    _append(output_dir, "updates.jsonl", {"step": step, "metrics": metrics})
+    record = {"step": step, "metrics": metrics}
+    if warnings:
+        record["warnings"] = [{"rule": warning.rule, "message": warning.message} for warning in warnings]
+    _append(output_dir, "updates.jsonl", record)
 
 
 def read_updates(output_dir: str | Path) -> list[dict[str, Any]]:

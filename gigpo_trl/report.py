@@ -146,7 +146,7 @@ def write_report(output_dir: str | Path, max_rollouts: int = DEFAULT_ROLLOUTS_SH
         captions[DYNAMIC_SAMPLING_CAPTION[0]] = DYNAMIC_SAMPLING_CAPTION[1]
 
     page = _page(Path(output_dir), records, _trajectory_viewer(records, read_trajectories(output_dir), max_rollouts),
-                 captions, _unplayed_tasks(evaluations))
+                 captions, _health_warnings(updates) + _unplayed_tasks(evaluations))
     (report_dir / "index.html").write_text(page, encoding="utf-8")
     return report_dir
 
@@ -358,7 +358,7 @@ def _first_and_last(train: list[dict[str, Any]], evaluation: list[dict[str, Any]
 # ------------------------------------------------------------------------------------------
 
 
-def _page(output_dir: Path, records: list[dict[str, Any]], viewer: str, captions: dict[str, str], unplayed: str) -> str:
+def _page(output_dir: Path, records: list[dict[str, Any]], viewer: str, captions: dict[str, str], notices: str) -> str:
     counts = {mode: sum(record["mode"] == mode for record in records) for mode in MODE_NAMES}
     steps = [record["step"] for record in records]
     figures = "\n".join(
@@ -376,7 +376,7 @@ def _page(output_dir: Path, records: list[dict[str, Any]], viewer: str, captions
 <h1>GiGPO run report</h1>
 <p>Run <code>{_escape(output_dir.resolve())}</code>: {counts["train"]} training and {counts["eval"]} evaluation
 rollouts recorded, training steps {min(steps)} to {max(steps)}.</p>
-{unplayed}<h2>Latest metrics</h2>
+{notices}<h2>Latest metrics</h2>
 {_metrics_table(records)}
 <h2>Plots</h2>
 {figures}
@@ -385,6 +385,17 @@ rollouts recorded, training steps {min(steps)} to {max(steps)}.</p>
 </body>
 </html>
 """
+
+
+def _health_warnings(updates: list[dict[str, Any]]) -> str:
+    """The training-health warnings the run gave (`gigpo_trl.health`), each at its logged training step; "" when it
+    gave none."""
+    items = [f"<li>step {record['step']}: {_escape(warning['message'])}</li>"
+             for record in updates for warning in record.get("warnings", [])]
+    if not items:
+        return ""
+    return ('<div class="health"><p>Training health: the run said it had stopped learning (docs/metrics.md, '
+            '"Training health").</p>\n<ul>' + "\n".join(items) + "</ul></div>\n")
 
 
 def _unplayed_tasks(evaluations: list[dict[str, Any]]) -> str:
@@ -540,7 +551,7 @@ details.episode { margin-left: 1.5em; }
 summary { cursor: pointer; }
 pre { margin: 0; white-space: pre-wrap; word-break: break-word; max-height: 20em; overflow: auto; font-size: 0.85em; }
 tr.invalid { background: #fff3f3; }
-.unplayed { border: 2px solid #c60; background: #fff6e8; padding: 0 1em; }
+.unplayed, .health { border: 2px solid #c60; background: #fff6e8; padding: 0 1em; }
 tr.revisit td:nth-child(5) { background: #fff1c2; font-weight: bold; }
 .won { color: #17702a; font-weight: bold; }
 .lost { color: #a33; }

@@ -10,13 +10,14 @@ from __future__ import annotations
 import math
 import warnings
 from collections import defaultdict, deque
+from typing import Any
 
 import numpy as np
 from accelerate.utils import gather_object
 
 from gigpo_trl.advantages import GiGPOAdvantages
 from gigpo_trl.dynamic_sampling import SamplingCounts, StdFilterCounts
-from gigpo_trl.health import HEALTH_METRICS, TrainingHealth
+from gigpo_trl.health import HEALTH_METRICS, HealthWarning, TrainingHealth
 from gigpo_trl.metric_names import (
     EXTRA_ROUNDS, GRAD_NORM_SPIKE, GROUPS_DROPPED, GROUPS_KEPT, GROUPS_MISSING, GROUPS_ROLLED, NUM_STEP_GROUPS,
     PANEL_UNPLAYED, PANEL_UNPLAYED_TASKS, SINGLETON_SHARE, evaluation_name,
@@ -25,7 +26,9 @@ from gigpo_trl.metrics import (
     GRAD_NORM_SPIKE_WINDOW, SINGLETON_WARNING, SINGLETON_WARNING_SHARE, PanelEpisode, RolloutSummary, RolloutTimes,
     panel_metrics, panel_tasks, rollout_metrics, trailing_ratio,
 )
-from gigpo_trl.records import count_rollouts, episode_records, iteration_record, write_evaluation, write_records, write_update
+from gigpo_trl.records import (
+    checkpoint_step, episode_records, iteration_record, open_records, write_evaluation, write_records, write_update,
+)
 from gigpo_trl.report import ReportCallback
 from gigpo_trl.rollout import Rollout
 
@@ -43,7 +46,7 @@ class RunLogsMixin:
         self._warned_singletons = False
         self._grad_norms: deque[float] = deque(maxlen=GRAD_NORM_SPIKE_WINDOW)  # of the latest logged training steps
         self._health = TrainingHealth()  # the training-health rules over the logged training steps
-        self._rollouts_recorded = count_rollouts(args.output_dir)
+        self._rollouts_recorded: dict[str, int] | None = None  # per mode; None until the records are opened
         self._eval_episodes: list[PanelEpisode] = []  # this process's evaluation episodes since the last log
         self.add_callback(ReportCallback())
         # TRL keeps the completion logs of the latest rollout: one entry per trajectory there, up to
@@ -72,26 +75,46 @@ class RunLogsMixin:
                 if self.accelerator.is_main_process:
                     warnings.warn(_unplayed_message(played, unplayed), stacklevel=2)
             if self.accelerator.is_main_process and metrics:
+                self._open_records(self.args.resume_from_checkpoint)
                 write_evaluation(self.args.output_dir, self.state.global_step, metrics, played, unplayed)
-        elif training_step:
-            self._check_training_health(logs)
+        said = self._check_training_health(logs) if training_step else []
         super().log(logs, start_time)  # adds the averages of `_metrics` to `logs`
         if training_step and self.accelerator.is_main_process:
-            write_update(self.args.output_dir, self.state.global_step, logs)
+            self._open_records(self.args.resume_from_checkpoint)
+            write_update(self.args.output_dir, self.state.global_step, logs, said)
 
-    def _check_training_health(self, logs: dict[str, float]) -> None:
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):
+        """GRPOTrainer's training, in a run folder whose records are this run's (`_open_records`)."""
+        self._open_records(resume_from_checkpoint)
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def _open_records(self, resume_from_checkpoint: str | bool | None) -> None:
+        """Before the run's first record (main process): the records of OUTPUT_DIR/gigpo become this run's
+        (`gigpo_trl.records.open_records`): a run resuming from a checkpoint keeps those up to it, any other run sets
+        the records there aside; a warning says what was set aside. `train` opens them with its checkpoint; an
+        evaluation before training with `args.resume_from_checkpoint`."""
+        if self._rollouts_recorded is not None or not self.accelerator.is_main_process:
+            return
+        output_dir = self.args.output_dir
+        self._rollouts_recorded, message = open_records(output_dir, checkpoint_step(output_dir, resume_from_checkpoint))
+        if message:
+            warnings.warn(message, stacklevel=3)
+
+    def _check_training_health(self, logs: dict[str, float]) -> list[HealthWarning]:
         """RAGEN's early warnings on a training step's log: the gradient norm over the median of the last
         GRAD_NORM_SPIKE_WINDOW logged before it (`grad_norm/spike`), and the training-health rules
         (`gigpo_trl.health`: no learning signal, stuck in place, back and forth), each said once and again when it
-        worsens."""
+        worsens; returns the warnings said."""
         grad_norm = logs.get("grad_norm")
         if grad_norm is not None and math.isfinite(grad_norm):
             spike = trailing_ratio(grad_norm, self._grad_norms)
             if spike is not None:
                 logs[GRAD_NORM_SPIKE] = spike
             self._grad_norms.append(grad_norm)
-        for warning in self._health.check({name: self._logged_mean(name) for name in HEALTH_METRICS}):
-            warnings.warn(warning.message, stacklevel=2)
+        said = self._health.check({name: self._logged_mean(name) for name in HEALTH_METRICS})
+        for warning in said:
+            warnings.warn(warning.message, stacklevel=3)
+        return said
 
     def _logged_mean(self, name: str) -> float | None:
         """The mean of a training metric's values since the last log (NaN left out, as GRPOTrainer's log does)."""
@@ -127,6 +150,7 @@ class RunLogsMixin:
         """The rollout's record and sample episodes for the run report (see `gigpo_trl.records`)."""
         parts = gather_object([(gigpo.step_group_sizes, gigpo.episode_advantages, gigpo.step_advantages)])
         if self.accelerator.is_main_process:
+            self._open_records(self.args.resume_from_checkpoint)
             record = iteration_record(self.state.global_step, mode, self._rollouts_recorded[mode], metrics, parts)
             self._rollouts_recorded[mode] += 1
             write_records(self.args.output_dir, record, episode_records(rollout, gigpo, self.args.log_trajectories))

@@ -10,6 +10,7 @@ import random
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 from trainer_helpers import cpu_config, logged_metrics
 
@@ -21,7 +22,8 @@ from gigpo_trl.health import (
     STUCK_STAYS, TrainingHealth, back_and_forth_warning, no_signal_share, no_signal_warning, replay_health,
     stuck_warning, training_steps,
 )
-from gigpo_trl.records import read_updates
+from gigpo_trl.records import iteration_record, read_updates, write_records
+from gigpo_trl.report import write_report
 from gigpo_trl.rollout import collect_rollout
 from gigpo_trl.tasks import Task, task_dataset
 from gigpo_trl.trainer import GiGPOTrainer
@@ -231,7 +233,15 @@ def test_the_trainer_says_each_warning_as_its_log_reaches_it(tmp_path, tiny_mode
     said = [log_step(entropy, 0.6) for entropy in FALLING_RUN]
     assert [len(messages) for messages in said] == [0] * 7 + [1] + [0] * 4
     assert "60%" in said[7][0] and "loops/stay_share" in said[7][0]
-    assert len(read_updates(tmp_path)) == len(FALLING_RUN) and read_updates(tmp_path)[5]["metrics"]["entropy"] == 0.4
+    updates = read_updates(tmp_path)
+    assert len(updates) == len(FALLING_RUN) and updates[5]["metrics"]["entropy"] == 0.4
+    # The records keep what was said, where it was said; the run report lists it.
+    recorded = [record.get("warnings") for record in updates]
+    assert recorded == [None] * 7 + [[{"rule": "stuck", "message": said[7][0]}]] + [None] * 4
+    parts = [(np.array([1]), np.array([0.0]), np.array([0.0]))]
+    write_records(tmp_path, iteration_record(0, "train", 0, {"env/return_mean": 0.0}, parts), [])
+    page = (write_report(tmp_path) / "index.html").read_text()
+    assert "Training health" in page and f"<li>step {updates[7]['step']}: the policy is stuck in place" in page
 
 
 def measured(name: str) -> list[dict[str, float]]:

@@ -211,6 +211,25 @@ def test_a_rollout_where_no_environment_says_has_no_success_rate_rather_than_zer
     assert [name for name in (*metrics, *panel) if "success_rate" in name] == []
 
 
+def test_a_rollout_s_means_leave_out_the_episodes_whose_environment_never_started(tmp_path):
+    # Corridors of 3 cells walked right: 2 steps to the win. Seed 7's copies fail their only reset attempt each.
+    env_fn = functools.partial(FailsToStart, tmp_path, {7: -1})
+    with EnvPool(env_fn, num_groups=2, group_size=2, processes=False, reset_attempts=1) as pool:
+        rollout = collect_rollout(pool, [Task(0), Task(7)], walk_right, max_env_steps=3, show_progress=False)
+    steps = rollout.steps
+    gigpo = compute_gigpo_advantages(steps.reward, steps.group, steps.trajectory, steps.step, steps.anchor)
+    summary = RolloutSummary.of(rollout, gigpo, RolloutTimes(1.0, 0.5, 0.5, 0.0), max_completion_length=8,
+                                end_token_ids={4}, update_samples=range(len(steps)))
+    metrics = rollout_metrics([summary])
+
+    assert [(e.length, e.env_error is not None) for e in rollout.episodes] == [(2, False)] * 2 + [(0, True)] * 2
+    # Not 1.0 steps, a return of 0.5 and a success of 0.5: the two that never started were never played.
+    assert metrics["env/episode_length_mean"] == 2.0 and metrics["env/return_mean"] == 1.0
+    assert metrics["env/success_rate"] == 1.0 and metrics["env/truncated_share"] == 0.0
+    assert metrics["env/env_error_share"] == 0.5  # but their environments did fail
+    assert metrics["frac_reward_zero_std"] == 1.0  # over the one task group played
+
+
 def test_a_panel_task_that_could_not_start_is_named_and_counts_in_no_figure(tmp_path):
     # Corridors of 3 (seed 0) and 4 cells, walked right 3 times: won in 2 and 3 steps. Seed 7's first copy fails its
     # only reset attempt; its second copy starts (and plays), but the task was not played whole.

@@ -1,6 +1,6 @@
 """A run's records (`gigpo_trl.records`) survive a restart: a run that resumes from a checkpoint keeps the records up to
 the checkpoint and sets the later ones aside; one that starts afresh where records exist sets them all aside and says
-so; the two runs' records are never mixed."""
+so; the two runs' records are never mixed. On the files, and through the trainer."""
 
 from __future__ import annotations
 
@@ -8,11 +8,14 @@ import json
 
 import numpy as np
 import pytest
+from trainer_helpers import cpu_config
 
 from gigpo_trl.records import (
     RECORDS_DIR, SET_ASIDE_PREFIX, checkpoint_step, count_rollouts, iteration_record, open_records, read_evaluations,
     read_iterations, read_trajectories, read_updates, write_evaluation, write_records, write_update,
 )
+from gigpo_trl.tasks import task_dataset
+from gigpo_trl.trainer import GiGPOTrainer
 
 
 def record_a_run(output_dir, steps: int, evaluate_every: int = 2) -> None:
@@ -114,3 +117,44 @@ def test_the_checkpoint_step_is_read_as_transformers_resumes(tmp_path):
         checkpoint_step(tmp_path / "checkpoint-2", True)
     with pytest.raises(FileNotFoundError, match="no trainer_state.json"):
         checkpoint_step(tmp_path, str(tmp_path))
+
+
+# ------------------------------------------------------------------------------------------
+# Through the trainer: a run stopped after its checkpoints, resumed, and a fresh run in the same folder.
+# ------------------------------------------------------------------------------------------
+
+
+def training_run(tmp_path, model: str, **overrides) -> GiGPOTrainer:
+    config = cpu_config(tmp_path, env_name="corridor", max_steps=4, save_strategy="steps", save_steps=2,
+                        env_processes=False, disable_tqdm=True, **overrides)
+    return GiGPOTrainer(model, args=config, train_dataset=task_dataset(range(8)))
+
+
+def test_a_resumed_run_continues_the_records_of_its_checkpoint_and_a_fresh_run_sets_them_aside(tmp_path,
+                                                                                              tiny_model_path):
+    first = training_run(tmp_path, tiny_model_path)
+    first.train()
+    first.close_environments()
+    before = read_iterations(tmp_path)
+    assert [(r["mode"], r["step"], r["rollout"]) for r in before] == [("train", step, step) for step in range(4)]
+
+    resumed = training_run(tmp_path, tiny_model_path)
+    with pytest.warns(UserWarning, match="resuming from the checkpoint of step 2: the 4 records"):
+        resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+    resumed.close_environments()
+
+    after = read_iterations(tmp_path)
+    assert [(r["mode"], r["step"], r["rollout"]) for r in after] == [("train", step, step) for step in range(4)]
+    assert after[:2] == before[:2]  # the records up to the checkpoint, as the stopped run wrote them
+    assert [r["step"] for r in read_updates(tmp_path)] == [1, 2, 3, 4]
+    assert sorted(read_trajectories(tmp_path)) == [f"train-0000{k}" for k in range(4)]
+    (aside,) = set_aside_folders(tmp_path)
+    assert [json.loads(line)["step"] for line in (aside / "iterations.jsonl").read_text().splitlines()] == [2, 3]
+    assert [json.loads(line)["step"] for line in (aside / "updates.jsonl").read_text().splitlines()] == [3, 4]
+
+    fresh = training_run(tmp_path, tiny_model_path, max_steps=1)
+    with pytest.warns(UserWarning, match="held the records of an earlier run"):
+        fresh.train()
+    fresh.close_environments()
+    assert [(r["step"], r["rollout"]) for r in read_iterations(tmp_path)] == [(0, 0)]
+    assert [r["step"] for r in read_updates(tmp_path)] == [1] and len(set_aside_folders(tmp_path)) == 2
