@@ -19,6 +19,7 @@ RETURN_STD = "env/return_std"
 EPISODE_LENGTH_MEAN = "env/episode_length_mean"
 TRUNCATED_SHARE = "env/truncated_share"
 ENV_ERROR_SHARE = "env/env_error_share"
+CONTEXT_OVERFLOW_SHARE = "env/context_overflow_share"  # ended as a step's prompt would not fit the model's context
 INVALID_ACTION_RATE = "env/invalid_action_rate"
 STEP_SAMPLES = "env/step_samples"
 GROUP_RETURN_STD = "env/group_return_std"

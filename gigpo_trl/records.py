@@ -15,7 +15,8 @@
          "warnings": [{"rule": str, "message": str}]}   (the training-health warnings it gave; only when any)
     OUTPUT_DIR/gigpo/trajectories/{mode}-{rollout:05d}.json   sample episodes of that rollout:
         [{"group", "trajectory", "seed", "length", "return", "won" (null: the environment did not say), "truncated",
-          "env_error", "ends_in_cycle", "distinct_states",
+          "env_error", "context_overflow" (why a step's prompt did not fit the context; null), "ends_in_cycle",
+          "distinct_states",
           "steps": [{"step", "observation", "completion", "action", "valid", "reward", "step_group_size",
                      "episode_advantage", "step_advantage", "advantage", "next_state", "revisit", "stay",
                      "turn_back"}]}]
@@ -94,7 +95,8 @@ def episode_records(rollout: Rollout, gigpo: GiGPOAdvantages, limit: int) -> lis
         records.append({
             "group": episode.group, "trajectory": episode.trajectory, "seed": episode.seed, "length": episode.length,
             "return": episode.episode_return, "won": episode.won, "truncated": episode.truncated,
-            "env_error": episode.env_error, "ends_in_cycle": loops.ends_in_cycle if loops else None,
+            "env_error": episode.env_error, "context_overflow": episode.context_overflow,
+            "ends_in_cycle": loops.ends_in_cycle if loops else None,
             "distinct_states": loops.distinct_states if loops else None, "steps": steps,
         })
     return records

@@ -479,6 +479,8 @@ def _episode_details(episode: dict[str, Any]) -> str:
         outcome.append("ends in a cycle")
     if episode["env_error"] is not None:
         outcome.append(f"environment error: {_escape(episode['env_error'])}")
+    if episode.get("context_overflow"):
+        outcome.append(f"ended as {_escape(episode['context_overflow'])}")
     distinct = episode.get("distinct_states")
     summary = (f"task group {episode['group']} · environment {episode['trajectory']} · seed {_escape(episode['seed'])}"
                f" · return {episode['return']:.3f} · {episode['length']} steps · "

@@ -19,8 +19,8 @@ from gigpo_trl.advantages import GiGPOAdvantages
 from gigpo_trl.dynamic_sampling import SamplingCounts, StdFilterCounts
 from gigpo_trl.health import HEALTH_METRICS, HealthWarning, TrainingHealth
 from gigpo_trl.metric_names import (
-    EXTRA_ROUNDS, GRAD_NORM_SPIKE, GROUPS_DROPPED, GROUPS_KEPT, GROUPS_MISSING, GROUPS_ROLLED, NUM_STEP_GROUPS,
-    PANEL_UNPLAYED, PANEL_UNPLAYED_TASKS, SINGLETON_SHARE, evaluation_name,
+    CONTEXT_OVERFLOW_SHARE, EXTRA_ROUNDS, GRAD_NORM_SPIKE, GROUPS_DROPPED, GROUPS_KEPT, GROUPS_MISSING, GROUPS_ROLLED,
+    NUM_STEP_GROUPS, PANEL_UNPLAYED, PANEL_UNPLAYED_TASKS, SINGLETON_SHARE, evaluation_name,
 )
 from gigpo_trl.metrics import (
     GRAD_NORM_SPIKE_WINDOW, SINGLETON_WARNING, SINGLETON_WARNING_SHARE, PanelEpisode, RolloutSummary, RolloutTimes,
@@ -44,6 +44,7 @@ class RunLogsMixin:
         """Start the logging state, add the run report's callback, and size TRL's completion logs for step samples."""
         args = self.args
         self._warned_singletons = False
+        self._warned_context_overflow = False
         self._grad_norms: deque[float] = deque(maxlen=GRAD_NORM_SPIKE_WINDOW)  # of the latest logged training steps
         self._health = TrainingHealth()  # the training-health rules over the logged training steps
         self._rollouts_recorded: dict[str, int] | None = None  # per mode; None until the records are opened
@@ -144,6 +145,10 @@ class RunLogsMixin:
                 and not self._warned_singletons:
             self._warned_singletons = True
             warnings.warn(SINGLETON_WARNING.format(share=singleton_share), stacklevel=2)
+        if metrics[CONTEXT_OVERFLOW_SHARE] and not self._warned_context_overflow:
+            self._warned_context_overflow = True
+            warnings.warn(_context_overflow_message(mode, metrics[CONTEXT_OVERFLOW_SHARE], self.prompt_token_limit,
+                                                    self.max_completion_length), stacklevel=2)
         return metrics
 
     def _write_records(self, mode: str, metrics: dict[str, float], rollout: Rollout, gigpo: GiGPOAdvantages) -> None:
@@ -181,3 +186,14 @@ def _unplayed_message(played: list[str], unplayed: dict[str, str]) -> str:
             f"over those {len(played)} (logged as {evaluation_name(PANEL_UNPLAYED)}, "
             f"{evaluation_name(PANEL_UNPLAYED_TASKS)}). Could not be played, after env_reset_attempts resets each: "
             f"{reasons}")
+
+
+def _context_overflow_message(mode: str, share: float, limit: int, max_completion_length: int) -> str:
+    """The warning of a rollout some of whose episodes ended because a prompt would not fit the model's context."""
+    return (f"{share:.0%} of the episodes of a {'training' if mode == 'train' else 'held-out'} rollout ended before a "
+            f"step because its prompt had more than {limit} tokens, what the model's context leaves a prompt once "
+            f"max_completion_length ({max_completion_length}) is kept for the answer: they count as truncated "
+            f"(logged as env/context_overflow_share; said once a run). What to change: show fewer past steps "
+            f"(history_length), a shorter prompt (prompt_template), fewer steps (max_env_steps), shorter answers "
+            f"(max_completion_length), or a model with a longer context (vllm_max_model_length under vLLM, if the "
+            f"model allows it).")
