@@ -14,8 +14,8 @@ from __future__ import annotations
 import json
 import statistics
 from collections import defaultdict
-from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -23,7 +23,7 @@ from gigpo_trl.advantages import GiGPOAdvantages, StepGroupStats
 from gigpo_trl.dynamic_sampling import SamplingCounts, StdFilterCounts
 from gigpo_trl.loops import EpisodeLoops, LoopCounts
 from gigpo_trl.metric_names import (
-    ADVANTAGES_S, CONTEXT_OVERFLOW_SHARE, ENV_ERROR_SHARE, ENV_S, EPISODE_LENGTH_MEAN, FRAC_REWARD_ZERO_STD,
+    ADVANTAGES_S, CONTEXT_OVERFLOW_SHARE, ENV_ERROR_SHARE, ENV_PREFIX, ENV_S, EPISODE_LENGTH_MEAN, FRAC_REWARD_ZERO_STD,
     GENERATION_S, GROUP_RETURN_STD, INVALID_ACTION_RATE, NONZERO_ADVANTAGE_SHARE, NUM_ROWS, PANEL_TASKS, PANEL_UNPLAYED,
     RETURN_MEAN, RETURN_STD, ROLLOUT_S, STEP_SAMPLES, SUCCESS_RATE, TOKENS_PER_S, TRUNCATED_SHARE, UPDATE_S,
     UPDATE_STEP_SAMPLES,
@@ -49,6 +49,42 @@ class RolloutTimes:
     generation: float
     env: float
     advantages: float
+
+
+@dataclass(frozen=True)
+class EnvMetricTotals:
+    """The environment's own metrics of a set of episodes (each episode's latest `info["metrics"]` values, see
+    `gigpo_trl.envs.info_metrics`) as sums and counts per name and per name and task type ("name/type"), which add up
+    over processes (`combine`)."""
+
+    sums: dict[str, float]
+    counts: dict[str, int]
+
+    @classmethod
+    def of(cls, episodes: Iterable[tuple[str | None, Mapping[str, float]]]) -> EnvMetricTotals:
+        """From (task type, metrics) per episode."""
+        sums: dict[str, float] = defaultdict(float)
+        counts: dict[str, int] = defaultdict(int)
+        for task_type, metrics in episodes:
+            for name, value in metrics.items():
+                for key in (name, f"{name}/{task_type}") if task_type is not None else (name,):
+                    sums[key] += value
+                    counts[key] += 1
+        return cls(dict(sums), dict(counts))
+
+    @classmethod
+    def combine(cls, parts: Iterable[EnvMetricTotals]) -> EnvMetricTotals:
+        sums: dict[str, float] = defaultdict(float)
+        counts: dict[str, int] = defaultdict(int)
+        for part in parts:
+            for key, value in part.sums.items():
+                sums[key] += value
+                counts[key] += part.counts[key]
+        return cls(dict(sums), dict(counts))
+
+    def as_metrics(self) -> dict[str, float]:
+        """`env/<name>` and `env/<name>/<task type>`: the mean over the episodes that reported the metric."""
+        return {f"{ENV_PREFIX}{key}": self.sums[key] / self.counts[key] for key in sorted(self.sums)}
 
 
 @dataclass(frozen=True)
@@ -86,6 +122,7 @@ class RolloutSummary:
     sampling: SamplingCounts | None  # what dynamic sampling did (None: off)
     std_filter: StdFilterCounts | None  # what reward-std filtering did, over all processes (None: off)
     loops: LoopCounts | None  # revisits and cycles (None: no episode's anchors are states)
+    env_metrics: EnvMetricTotals  # the environment's own metrics (info["metrics"])
 
     @classmethod
     def of(cls, rollout: Rollout, gigpo: GiGPOAdvantages, times: RolloutTimes, *, max_completion_length: int,
@@ -140,6 +177,7 @@ class RolloutSummary:
             sampling=sampling,
             std_filter=std_filter,
             loops=LoopCounts.of(loops) if loops else None,
+            env_metrics=EnvMetricTotals.of((e.task_type, e.metrics) for e in episodes),
         )
 
 
@@ -201,6 +239,7 @@ def rollout_metrics(summaries: Sequence[RolloutSummary], update_seconds: float |
     loops = [s.loops for s in summaries if s.loops is not None]
     if loops:
         metrics.update(LoopCounts.combine(loops).as_metrics())
+    metrics.update(EnvMetricTotals.combine([s.env_metrics for s in summaries]).as_metrics())
     return metrics
 
 
@@ -278,6 +317,7 @@ class PanelEpisode:
     length: int
     unplayed: str | None = None  # why it could not be played: its environment failed before the first action
     loops: LoopCounts | None = None  # its revisits and cycles (None: its anchors are not states)
+    metrics: dict[str, float] = field(default_factory=dict)  # the environment's own metrics (info["metrics"])
 
     @classmethod
     def of(cls, episode: Episode, group_size: int, loops: EpisodeLoops | None = None) -> PanelEpisode:
@@ -285,7 +325,7 @@ class PanelEpisode:
         return cls(task_name(episode.seed, episode.options), episode.trajectory % group_size, episode.task_type,
                    episode.won, episode.episode_return, episode.length,
                    episode.env_error if unplayed(episode) else None,
-                   LoopCounts.of([loops]) if loops is not None else None)
+                   LoopCounts.of([loops]) if loops is not None else None, dict(episode.metrics))
 
 
 def unplayed(episode: Episode) -> bool:
@@ -343,6 +383,7 @@ def panel_metrics(episodes: Sequence[PanelEpisode]) -> dict[str, float]:
     loops = [e.loops for e in kept if e.loops is not None]
     if loops:
         metrics.update(LoopCounts.combine(loops).as_metrics())
+    metrics.update(EnvMetricTotals.of((e.task_type, e.metrics) for e in kept).as_metrics())
     return metrics
 
 

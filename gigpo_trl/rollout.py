@@ -23,7 +23,7 @@ from gigpo_trl.dialogue import (
     DUMMY_PROMPT, Completion, Dialogue, Exchange, Messages, PromptTooLong, TextDialogue, TurnGenerator,
 )
 from gigpo_trl.env_pool import INFO_ENV_ERROR, EnvPool
-from gigpo_trl.envs import INFO_ANCHOR_KIND, INFO_TASK_TYPE, INFO_WON, EnvOutput
+from gigpo_trl.envs import INFO_ANCHOR_KIND, INFO_TASK_TYPE, INFO_WON, EnvOutput, info_metrics
 from gigpo_trl.loops import EpisodeLoops, episode_loops
 from gigpo_trl.tasks import Task
 
@@ -79,6 +79,8 @@ class Episode:
     # Why it ended before a step's generation, if it did: that step's prompt would not fit the model's context
     # (`PromptTooLong`; the episode is truncated there).
     context_overflow: str | None = None
+    # The latest value of each of the environment's own metrics (info["metrics"], `gigpo_trl.envs.info_metrics`).
+    metrics: dict[str, float] = field(default_factory=dict)
     final_anchor: Hashable = None  # the anchor of the state the last step led to (of the start state before a step)
     anchor_kind: str = "state"  # what the environment said its anchors are on reset (info["anchor_kind"])
 
@@ -174,7 +176,7 @@ def collect_rollout(
         for i in range(len(current))
     ]
     for episode, output in zip(episodes, current):
-        _end_if_done(episode, output)
+        _end_if_done(episode, output, pool.name)
     histories: list[list[Exchange]] = [[] for _ in current]
 
     turns = tqdm(range(max_env_steps), desc="rollout turns", leave=False, disable=not show_progress)
@@ -220,7 +222,7 @@ def collect_rollout(
             episode.episode_return += result.reward
             episode.final_anchor = result.anchor
             current[i] = result
-            _end_if_done(episode, result)
+            _end_if_done(episode, result, pool.name)
     turns.close()
 
     for episode in episodes:
@@ -230,7 +232,11 @@ def collect_rollout(
     return rollout
 
 
-def _end_if_done(episode: Episode, output: EnvOutput) -> None:
+def _end_if_done(episode: Episode, output: EnvOutput, env_name: str) -> None:
+    try:
+        episode.metrics.update(info_metrics(output.info))
+    except ValueError as exc:
+        raise ValueError(f"environment {env_name!r}, task seed {episode.seed}: {exc}") from None
     if output.info.get(INFO_WON) is not None:  # an output that does not say (a failure's) keeps what the last one said
         episode.won = bool(output.info[INFO_WON])
     if output.done:

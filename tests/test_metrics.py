@@ -16,8 +16,11 @@ from gigpo_trl import metric_names
 from gigpo_trl.advantages import compute_gigpo_advantages
 from gigpo_trl.dialogue import Completion
 from gigpo_trl.dynamic_sampling import SamplingCounts, StdFilterCounts
+from gigpo_trl.env_checker import EnvCheckError, check_env
 from gigpo_trl.env_pool import EnvPool
-from gigpo_trl.metrics import PanelEpisode, RolloutSummary, RolloutTimes, panel_metrics, panel_tasks, rollout_metrics
+from gigpo_trl.metrics import (
+    EnvMetricTotals, PanelEpisode, RolloutSummary, RolloutTimes, panel_metrics, panel_tasks, rollout_metrics,
+)
 from gigpo_trl.rollout import collect_rollout
 from gigpo_trl.tasks import Task, task_dataset
 from gigpo_trl.trainer import GiGPOTrainer
@@ -265,6 +268,57 @@ def test_the_metric_names_defined_once_are_the_names_the_metrics_are_logged_unde
     logged = {*rollout_metrics([summary], update_seconds=1.0),
               *panel_metrics([PanelEpisode.of(episode, group_size=2) for episode in rollout.episodes]),
               *gigpo.stats.as_metrics()}  # its row count, which the rollout's metrics log as env/step_samples
-    names = {value for name, value in vars(metric_names).items() if name.isupper() and not name.endswith("PREFIX")}
+    names = {value for name, value in vars(metric_names).items()
+             if name.isupper() and isinstance(value, str) and not name.endswith("PREFIX")}
 
     assert names - logged == {metric_names.PANEL_UNPLAYED_TASKS, metric_names.GRAD_NORM_SPIKE}
+
+
+class MeasuredCorridor(Corridor):
+    """A corridor that reports metrics of its own: the cells still ahead, and the share of the way walked."""
+
+    def _info(self):
+        return {**super()._info(), "metrics": {"cells_left": self.length - 1 - self.position,
+                                               "progress": self.position / (self.length - 1)}}
+
+
+def test_an_environment_s_own_metrics_are_logged_from_each_episode_s_latest_values_overall_and_per_task_type():
+    # Corridors of 3 (seed 0) and 6 cells (seed 3) walked right twice: the first is won, the second is 3 cells short.
+    with EnvPool(MeasuredCorridor, num_groups=2, group_size=2, processes=False) as pool:
+        rollout = collect_rollout(pool, [Task(0), Task(3)], walk_right, max_env_steps=2, show_progress=False)
+    steps = rollout.steps
+    gigpo = compute_gigpo_advantages(steps.reward, steps.group, steps.trajectory, steps.step, steps.anchor)
+    summary = RolloutSummary.of(rollout, gigpo, RolloutTimes(1.0, 0.5, 0.5, 0.0), max_completion_length=8,
+                                end_token_ids={4}, update_samples=range(len(steps)))
+    metrics = rollout_metrics([summary])
+    panel = panel_metrics([PanelEpisode.of(episode, group_size=2) for episode in rollout.episodes])
+
+    assert [e.metrics for e in rollout.episodes] == [{"cells_left": 0.0, "progress": 1.0}] * 2 + [
+        {"cells_left": 3.0, "progress": 0.4}] * 2
+    for logged in (metrics, panel):
+        assert logged["env/cells_left"] == 1.5 and logged["env/progress"] == pytest.approx(0.7)
+        assert logged["env/cells_left/corridor-3"] == 0.0 and logged["env/cells_left/corridor-6"] == 3.0
+        assert logged["env/progress/corridor-6"] == pytest.approx(0.4)
+    # Summed over processes, as each process's rollout holds some of the episodes.
+    assert EnvMetricTotals.combine([EnvMetricTotals.of([("a", {"x": 1.0})]), EnvMetricTotals.of([(None, {"x": 3.0})])]
+                                   ).as_metrics() == {"env/x": 2.0, "env/x/a": 1.0}
+
+
+@pytest.mark.parametrize(("metrics", "problem"), [
+    ({"success_rate": 1.0}, r"info\['metrics'\]\['success_rate'\] would be logged as env/success_rate, which the "
+                            r"trainer logs itself: rename it"),
+    ({"score/max": 1.0}, r"info\['metrics'\] has the name 'score/max': use letters, digits"),
+    ({"score": float("nan")}, r"info\['metrics'\]\['score'\] must be a finite number, got nan"),
+    ({"score": "high"}, r"info\['metrics'\]\['score'\] must be a finite number, got 'high'"),
+    ([1.0], r"info\['metrics'\] must be a dict of \{name: number\}, got list"),
+])
+def test_an_environment_metric_that_cannot_be_logged_is_refused_by_name(metrics, problem):
+    class Declares(Corridor):
+        def _info(self):
+            return {**super()._info(), "metrics": metrics}
+
+    with pytest.raises(EnvCheckError, match=problem):
+        check_env(Declares())
+    with EnvPool(Declares, num_groups=1, group_size=1, processes=False) as pool, \
+            pytest.raises(ValueError, match=r"environment 'Declares', task seed 0: " + problem):
+        collect_rollout(pool, [Task(0)], walk_right, max_env_steps=1, show_progress=False)
