@@ -26,6 +26,7 @@ GROUP_RETURN_STD = "env/group_return_std"
 PANEL_TASKS = "env/panel_tasks"
 PANEL_UNPLAYED = "env/panel_unplayed"
 PANEL_UNPLAYED_TASKS = "env/panel_unplayed_tasks"  # a text, logged by an evaluation that could not play every task
+PASS_AT_PREFIX = "env/pass@"  # env/pass@k (and env/pass@k/<task type>): an evaluation of k or more copies per task
 # The names above, which an environment's own metrics (`info["metrics"]`, logged as env/<name>) may not take.
 TRAINER_ENV_METRICS = (
     SUCCESS_RATE, RETURN_MEAN, RETURN_STD, EPISODE_LENGTH_MEAN, TRUNCATED_SHARE, ENV_ERROR_SHARE, CONTEXT_OVERFLOW_SHARE,

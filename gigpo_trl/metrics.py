@@ -12,6 +12,7 @@ logs one value, `merged_pass_metrics`). No torch and no trainer state here.
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from collections import defaultdict
 from collections.abc import Collection, Iterable, Mapping, Sequence
@@ -25,8 +26,8 @@ from gigpo_trl.loops import EpisodeLoops, LoopCounts
 from gigpo_trl.metric_names import (
     ADVANTAGES_S, CONTEXT_OVERFLOW_SHARE, ENV_ERROR_SHARE, ENV_PREFIX, ENV_S, EPISODE_LENGTH_MEAN, FRAC_REWARD_ZERO_STD,
     GENERATION_S, GROUP_RETURN_STD, INVALID_ACTION_RATE, NONZERO_ADVANTAGE_SHARE, NUM_ROWS, PANEL_TASKS, PANEL_UNPLAYED,
-    RETURN_MEAN, RETURN_STD, ROLLOUT_S, STEP_SAMPLES, SUCCESS_RATE, TOKENS_PER_S, TRUNCATED_SHARE, UPDATE_S,
-    UPDATE_STEP_SAMPLES,
+    PASS_AT_PREFIX, RETURN_MEAN, RETURN_STD, ROLLOUT_S, STEP_SAMPLES, SUCCESS_RATE, TOKENS_PER_S, TRUNCATED_SHARE,
+    UPDATE_S, UPDATE_STEP_SAMPLES,
 )
 from gigpo_trl.rollout import Episode, Rollout
 
@@ -351,9 +352,11 @@ def panel_tasks(episodes: Sequence[PanelEpisode]) -> tuple[list[str], dict[str, 
     return sorted({episode.task for episode in first_plays} - unplayed.keys()), dict(sorted(unplayed.items()))
 
 
-def panel_metrics(episodes: Sequence[PanelEpisode]) -> dict[str, float]:
+def panel_metrics(episodes: Sequence[PanelEpisode], pass_ks: Sequence[int] | None = None) -> dict[str, float]:
     """Success rate, mean return and mean episode length over the distinct (task, copy) pairs of the tasks an evaluation
-    played, overall and per task type (`env/success_rate/<type>`), the loop metrics (`loops/*`) of those whose anchors
+    played, overall and per task type (`env/success_rate/<type>`); with two copies or more of each task, pass@k
+    (`env/pass@k`, `env/pass@k/<type>` for each k of `pass_ks`, see `pass_rates`); the environment's own metrics
+    (`env/<name>`); the loop metrics (`loops/*`) of those whose anchors
     are states, the number of distinct tasks (`env/panel_tasks`) and of those that could not be played
     (`env/panel_unplayed`, see `panel_tasks`): every figure is over the `env/panel_tasks - env/panel_unplayed` tasks
     played, so that one that could not start counts neither as a loss nor as an episode of length 0. The success rates
@@ -376,15 +379,45 @@ def panel_metrics(episodes: Sequence[PanelEpisode]) -> dict[str, float]:
         RETURN_MEAN: float(np.mean([e.episode_return for e in kept])),
         EPISODE_LENGTH_MEAN: float(np.mean([e.length for e in kept])),
     }
+    metrics |= pass_rates(kept, pass_ks)
     for task_type in sorted({e.task_type for e in kept if e.task_type is not None}):
         of_type = [e for e in kept if e.task_type == task_type]
         metrics.update(_success_rate(sum(e.won is True for e in of_type), sum(e.won is not None for e in of_type),
                                      name=f"{SUCCESS_RATE}/{task_type}"))
+        metrics.update(pass_rates(of_type, pass_ks, suffix=f"/{task_type}"))
     loops = [e.loops for e in kept if e.loops is not None]
     if loops:
         metrics.update(LoopCounts.combine(loops).as_metrics())
     metrics.update(EnvMetricTotals.of((e.task_type, e.metrics) for e in kept).as_metrics())
     return metrics
+
+
+def pass_at_k(copies: int, wins: int, k: int) -> float:
+    """The chance that at least one of k copies of a task wins, estimated without bias from `copies` played copies of
+    which `wins` won: 1 - C(copies - wins, k) / C(copies, k) (Chen et al. 2021, "Evaluating Large Language Models
+    Trained on Code"), for 1 <= k <= copies."""
+    if not 1 <= k <= copies or not 0 <= wins <= copies:
+        raise ValueError(f"pass@k needs 1 <= k <= copies and 0 <= wins <= copies, got k={k}, copies={copies}, "
+                         f"wins={wins}")
+    return 1.0 - math.comb(copies - wins, k) / math.comb(copies, k)
+
+
+def pass_rates(episodes: Sequence[PanelEpisode], ks: Sequence[int] | None = None, suffix: str = "") -> dict[str, float]:
+    """`env/pass@k` (+ `suffix`) for each k of `ks`, the mean over tasks of `pass_at_k`, where every task was played in
+    two copies or more, each saying whether it was won; {} otherwise. `ks` None: 1, 2, 4, ... up to the fewest copies
+    of a task, and that number. Raises ValueError for a k above the fewest copies."""
+    wins: dict[str, list[bool]] = defaultdict(list)
+    for episode in episodes:
+        wins[episode.task].append(episode.won)
+    if not wins or any(None in outcomes for outcomes in wins.values()):
+        return {}
+    copies = min(len(outcomes) for outcomes in wins.values())
+    if copies < 2:
+        return {}
+    if ks is None:
+        ks = sorted({*(2**power for power in range(copies.bit_length()) if 2**power <= copies), copies})
+    return {f"{PASS_AT_PREFIX}{k}{suffix}": float(np.mean([pass_at_k(len(outcomes), sum(outcomes), k)
+                                                           for outcomes in wins.values()])) for k in ks}
 
 
 def _first_plays(episodes: Sequence[PanelEpisode]) -> list[PanelEpisode]:

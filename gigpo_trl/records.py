@@ -6,8 +6,10 @@
          "step_group_sizes": {size: number of step groups of that size},
          "advantage_bins": [edges], "episode_advantage_counts": [...], "step_advantage_counts": [...]}
     OUTPUT_DIR/gigpo/evaluations.jsonl           one JSON object per evaluation (all its rollouts, each task once):
-        {"step": int, "metrics": {"env/success_rate": float, "env/success_rate/<task type>": float, ...,
-                                  "env/panel_tasks": float, "env/panel_unplayed": float},
+        {"step": int, "panel": str | null (the eval_dataset's name; null: the trainer's one eval_dataset),
+         "copies": int (per task), "decoding": "greedy" | "sampled",
+         "metrics": {"env/success_rate": float, "env/success_rate/<task type>": float, "env/pass@k": float, ...,
+                     "env/panel_tasks": float, "env/panel_unplayed": float},
          "tasks": [the names of the tasks played, "seed 7", ...],
          "unplayed": {name of a task that could not be played: why}}   (the metrics are over the tasks played)
     OUTPUT_DIR/gigpo/updates.jsonl               one JSON object per logged training step (`UPDATE_METRICS`):
@@ -114,11 +116,18 @@ def write_records(output_dir: str | Path, record: dict[str, Any], episodes: list
     staging.replace(path)  # atomic: a report drawn during training never reads half a file
 
 
-def write_evaluation(output_dir: str | Path, step: int, metrics: dict[str, float], tasks: Sequence[str],
-                     unplayed: dict[str, str]) -> None:
-    """Append the record of one evaluation (`GiGPOTrainer.evaluate`) at training step `step`: its metrics, the tasks it
-    played and those it could not play, with why (`gigpo_trl.metrics.panel_tasks`)."""
-    _append(output_dir, "evaluations.jsonl", {"step": step, "metrics": metrics, "tasks": list(tasks), "unplayed": unplayed})
+def evaluation_record(step: int, metrics: dict[str, float], tasks: Sequence[str], unplayed: dict[str, str], *,
+                      panel: str | None = None, copies: int = 1, greedy: bool = True) -> dict[str, Any]:
+    """The record of one evaluation (`GiGPOTrainer.evaluate`) at training step `step`: its metrics, the tasks it played
+    and those it could not play, with why (`gigpo_trl.metrics.panel_tasks`), the panel's name (None: the trainer's
+    eval_dataset), and how it played: `copies` of each task, greedily or sampled."""
+    return {"step": step, "panel": panel, "copies": copies, "decoding": "greedy" if greedy else "sampled",
+            "metrics": metrics, "tasks": list(tasks), "unplayed": unplayed}
+
+
+def write_evaluation(output_dir: str | Path, record: dict[str, Any]) -> None:
+    """Append the record of one evaluation (`evaluation_record`)."""
+    _append(output_dir, "evaluations.jsonl", record)
 
 
 def read_evaluations(output_dir: str | Path) -> list[dict[str, Any]]:

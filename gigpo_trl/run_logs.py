@@ -27,7 +27,8 @@ from gigpo_trl.metrics import (
     panel_metrics, panel_tasks, rollout_metrics, trailing_ratio,
 )
 from gigpo_trl.records import (
-    checkpoint_step, episode_records, iteration_record, open_records, write_evaluation, write_records, write_update,
+    checkpoint_step, episode_records, evaluation_record, iteration_record, open_records, write_evaluation,
+    write_records, write_update,
 )
 from gigpo_trl.report import ReportCallback
 from gigpo_trl.rollout import Rollout
@@ -59,25 +60,41 @@ class RunLogsMixin:
             for key in self._logs
         }
 
+    def evaluate(self, eval_dataset: Any = None, ignore_keys: list[str] | None = None,
+                 metric_key_prefix: str = "eval") -> dict[str, float]:
+        """GRPOTrainer's evaluation, of a panel named by `metric_key_prefix` past "eval_" (TRL evaluates a dict of
+        eval datasets each under `eval_<name>`, and `gigpo_trl.evaluation.evaluate_panels` names its panels so): its
+        metrics are logged as `eval_<panel>_<name>` and its record (`last_evaluation`) carries the panel's name."""
+        self._panel = metric_key_prefix.removeprefix("eval").removeprefix("_") or None
+        return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
+
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """GRPOTrainer's log; an evaluation's episode metrics are first recomputed over its distinct tasks, those it
-        could not play left out and named (`eval_env/panel_unplayed_tasks`, a text, logged only when there are any); a
-        training step's log gets `grad_norm/spike`, is checked for a policy that loops, and is recorded."""
+        could not play left out and named (`eval_env/panel_unplayed_tasks`, a text, logged only when there are any), and
+        its record written (`last_evaluation`, its episodes `last_evaluation_episodes`); a training step's log gets `grad_norm/spike`, is checked for training
+        health, and is recorded."""
         training_step = self.model.training and "loss" in logs  # not the closing summary of `train()`
         if not self.model.training:
             episodes = gather_object(self._eval_episodes)
             self._eval_episodes = []
+            self.last_evaluation_episodes: list[PanelEpisode] = episodes
             metrics = panel_metrics(episodes)
             played, unplayed = panel_tasks(episodes)
             for name, value in metrics.items():
                 self._metrics["eval"][name] = [value]
+            panel = getattr(self, "_panel", None)
             if unplayed:
-                logs[evaluation_name(PANEL_UNPLAYED_TASKS)] = "; ".join(unplayed)
+                logs[evaluation_name(f"{panel}_" if panel else "") + PANEL_UNPLAYED_TASKS)] = "; ".join(unplayed)
                 if self.accelerator.is_main_process:
                     warnings.warn(_unplayed_message(played, unplayed), stacklevel=2)
+            if panel:  # TRL's log prefixes "eval_" to these: eval_<panel>_<name>, as transformers' own metrics
+                self._metrics["eval"] = defaultdict(list, {f"{panel}_{k}": v for k, v in self._metrics["eval"].items()})
+            self.last_evaluation = evaluation_record(
+                self.state.global_step, metrics, played, unplayed, panel=panel,
+                copies=self.num_generations_eval, greedy=self.args.eval_greedy)
             if self.accelerator.is_main_process and metrics:
                 self._open_records(self.args.resume_from_checkpoint)
-                write_evaluation(self.args.output_dir, self.state.global_step, metrics, played, unplayed)
+                write_evaluation(self.args.output_dir, self.last_evaluation)
         said = self._check_training_health(logs) if training_step else []
         super().log(logs, start_time)  # adds the averages of `_metrics` to `logs`
         if training_step and self.accelerator.is_main_process:

@@ -11,8 +11,8 @@ import pytest
 from trainer_helpers import cpu_config
 
 from gigpo_trl.records import (
-    RECORDS_DIR, SET_ASIDE_PREFIX, checkpoint_step, count_rollouts, iteration_record, open_records, read_evaluations,
-    read_iterations, read_trajectories, read_updates, write_evaluation, write_records, write_update,
+    RECORDS_DIR, SET_ASIDE_PREFIX, checkpoint_step, count_rollouts, evaluation_record, iteration_record, open_records,
+    read_evaluations, read_iterations, read_trajectories, read_updates, write_evaluation, write_records, write_update,
 )
 from gigpo_trl.tasks import task_dataset
 from gigpo_trl.trainer import GiGPOTrainer
@@ -32,7 +32,7 @@ def record_a_run(output_dir, steps: int, evaluate_every: int = 2) -> None:
 
     def evaluation(step: int) -> None:
         rollout(step, "eval")
-        write_evaluation(output_dir, step, {"env/success_rate": step / 10}, ["seed 0"], {})
+        write_evaluation(output_dir, evaluation_record(step, {"env/success_rate": step / 10}, ["seed 0"], {}))
 
     evaluation(0)
     for step in range(steps):
