@@ -29,7 +29,8 @@ def main(arguments: EvaluationArguments, config: GiGPOConfig, model_args: ModelC
     panels = {text: Panel.parse(text).dataset(config.env_name, config.env_kwargs, arguments.num_tasks)
               for text in arguments.panels}
     model, tokenizer = load_model(name, model_args.dtype)
-    config.model_init_kwargs = {"dtype": model_args.dtype, **(config.model_init_kwargs or {})}
+    if isinstance(model, str):  # loaded by the trainer (an adapter's base is loaded by load_model)
+        config.model_init_kwargs = {"dtype": model_args.dtype, **(config.model_init_kwargs or {})}
     # The trainer is built with training tasks; nothing trains on them.
     tasks_per_rollout = config.generation_batch_size // config.num_generations
     trainer = GiGPOTrainer(
