@@ -84,7 +84,7 @@ class RunLogsMixin:
                 self._metrics["eval"][name] = [value]
             panel = getattr(self, "_panel", None)
             if unplayed:
-                logs[evaluation_name(f"{panel}_" if panel else "") + PANEL_UNPLAYED_TASKS)] = "; ".join(unplayed)
+                logs[evaluation_name(f"{panel}_{PANEL_UNPLAYED_TASKS}" if panel else PANEL_UNPLAYED_TASKS)] = "; ".join(unplayed)
                 if self.accelerator.is_main_process:
                     warnings.warn(_unplayed_message(played, unplayed), stacklevel=2)
             if panel:  # TRL's log prefixes "eval_" to these: eval_<panel>_<name>, as transformers' own metrics
