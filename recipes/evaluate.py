@@ -44,6 +44,13 @@ def main(arguments: EvaluationArguments, config: GiGPOConfig, model_args: ModelC
     return records
 
 
-if __name__ == "__main__":
+def parse(args: list[str] | None = None) -> tuple[EvaluationArguments, GiGPOConfig, ModelConfig]:
+    """The command line (`args`, or sys.argv). A training config's keys that are not the evaluation's (the
+    recipe's TaskArguments: num_train_tasks, num_eval_tasks, ...) are left unused; an unknown command-line argument
+    is refused."""
     parser = TrlParser((EvaluationArguments, GiGPOConfig, ModelConfig))
-    main(*parser.parse_args_and_config())
+    return parser.parse_args_and_config(args=args, fail_with_unknown_args=False)
+
+
+if __name__ == "__main__":
+    main(*parse())

@@ -18,11 +18,8 @@ from peft import LoraConfig
 from scripted_policy import ScriptedTrainer
 from toy_envs import FailsToStart
 from trainer_helpers import cpu_config, settings_config
-from trl import ModelConfig, TrlParser
 
-from gigpo_trl.config import GiGPOConfig
 from gigpo_trl.envs import fold_seeds
-from gigpo_trl.evaluation import EvaluationArguments
 from gigpo_trl.metrics import PanelEpisode, panel_metrics
 from gigpo_trl.recipe import train_and_report
 from gigpo_trl.records import read_evaluations
@@ -170,8 +167,7 @@ def evaluate_command(arguments: list[str]) -> list[dict]:
     spec = importlib.util.spec_from_file_location("evaluate_recipe", RECIPES / "evaluate.py")
     module = sys.modules.setdefault("evaluate_recipe", importlib.util.module_from_spec(spec))  # dataclasses look it up
     spec.loader.exec_module(module)
-    parser = TrlParser((EvaluationArguments, GiGPOConfig, ModelConfig))
-    return module.main(*parser.parse_args_and_config(args=arguments))
+    return module.main(*module.parse(arguments))
 
 
 def trained_checkpoint(tmp_path, tiny_model_path, peft_config=None) -> Path:
