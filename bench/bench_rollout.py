@@ -79,7 +79,7 @@ def bench_rollout(model: str, num_tasks: int, group_size: int, turns: int, token
     config = GiGPOConfig(
         output_dir=tempfile.mkdtemp(), env_name="sokoban", per_device_train_batch_size=num_tasks * group_size,
         num_generations=group_size, max_completion_length=tokens, max_env_steps=turns, report_to=[],
-        history_length=history_length, gradient_checkpointing=False,
+        history_length=history_length, activation_checkpointing=False,
         generation_kwargs={"min_tokens" if use_vllm else "min_new_tokens": tokens}, bf16=torch.cuda.is_available(),
         model_init_kwargs={"dtype": "bfloat16"} if torch.cuda.is_available() else None, **BACKENDS[backend],
     )
@@ -339,7 +339,7 @@ def update_peak_memory(trainer_kind: str, model: str, output_dir: str) -> dict:
     from gigpo_trl.trainer import GiGPOTrainer
 
     shared = dict(output_dir=output_dir, max_steps=1, max_completion_length=MEMORY_TOKENS, report_to=[],
-                  save_strategy="no", gradient_checkpointing=False, bf16=torch.cuda.is_available(),
+                  save_strategy="no", activation_checkpointing=False, bf16=torch.cuda.is_available(),
                   generation_kwargs={"min_new_tokens": MEMORY_TOKENS}, logging_steps=1)
     if trainer_kind == "gigpo":
         # 8 tasks x 2 copies x 4 turns = 64 step samples (Sokoban episodes of a random policy do not end in

@@ -176,7 +176,7 @@ def train_once(model: str, output_dir: str, *, lora: bool = False, max_steps: in
         output_dir=output_dir, env_name="sokoban", env_kwargs={"dim_room": [6, 6], "num_boxes": 1}, env_processes=False,
         num_generations=4, per_device_train_batch_size=8, steps_per_generation=2, gradient_accumulation_steps=2,
         max_env_steps=6, max_completion_length=48, max_step_samples_per_micro_batch=16, max_steps=max_steps,
-        learning_rate=learning_rate or (1e-4 if lora else 1e-5), bf16=torch.cuda.is_available(), gradient_checkpointing=True,
+        learning_rate=learning_rate or (1e-4 if lora else 1e-5), bf16=torch.cuda.is_available(), activation_checkpointing=True,
         logging_steps=1, report_to=[], save_strategy="no", seed=0, log_trajectories=2,
         model_init_kwargs={"dtype": model_dtype} if model_dtype else None,
     )
@@ -332,7 +332,7 @@ def update_peak(size: str, bound: int, num_tasks: int, output_dir: str, tokenize
         per_device_train_batch_size=4 * num_tasks, steps_per_generation=1, gradient_accumulation_steps=1,
         max_env_steps=MEMORY_TURNS, history_length=0, max_completion_length=ANSWER_TOKENS,
         generation_kwargs={"min_new_tokens": ANSWER_TOKENS}, max_step_samples_per_micro_batch=bound, max_steps=1,
-        learning_rate=1e-6, bf16=cuda, gradient_checkpointing=True, logging_steps=1, report_to=[],
+        learning_rate=1e-6, bf16=cuda, activation_checkpointing=True, logging_steps=1, report_to=[],
         save_strategy="no", log_trajectories=0, seed=0,
     )
     trainer = PeakOfUpdate(model, args=config, train_dataset=task_dataset(range(num_tasks)), processing_class=tokenizer)

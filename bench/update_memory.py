@@ -90,7 +90,7 @@ def one_pass(model: str, samples: int, prompt_tokens: int, answer_tokens: int, b
     config = GiGPOConfig(output_dir=str(ROOT / "outputs" / "update_memory"), env_name="rooms", env_processes=False,
                          num_generations=2, per_device_train_batch_size=samples * 2 if samples % 2 else samples,
                          steps_per_generation=1, gradient_accumulation_steps=1, bf16=bf16, use_cpu=True,
-                         gradient_checkpointing=False, report_to=[], save_strategy="no", max_completion_length=answer_tokens)
+                         activation_checkpointing=False, report_to=[], save_strategy="no", max_completion_length=answer_tokens)
     trainer = GiGPOTrainer(model, args=config, train_dataset=task_dataset(range(4)))
     trainer.current_gradient_accumulation_steps = 1
     vocab = trainer.model.config.vocab_size

@@ -191,7 +191,23 @@ class GiGPOConfig(GRPOConfig):
                   "filtered."},
     )
 
+    # TRL turns checkpointing on by default under transformers' old name, `gradient_checkpointing`, which transformers
+    # 5.23 deprecates with a FutureWarning on every config built: the same default, under the new name.
+    activation_checkpointing: bool | None = field(
+        default=None,
+        metadata={"help": "Enable activation checkpointing to trade compute for memory (about 20%% slower training). "
+                          "Unset: on, TRL's default, unless the deprecated alias gradient_checkpointing is set.",
+                  "nargs": "?", "const": True},
+    )
+    gradient_checkpointing: bool | None = field(
+        default=None,
+        metadata={"help": "Deprecated alias of activation_checkpointing (transformers), used only when that is unset.",
+                  "nargs": "?", "const": True},
+    )
+
     def __post_init__(self):
+        if self.activation_checkpointing is None and self.gradient_checkpointing is None:
+            self.activation_checkpointing = True
         self._follow_deepspeed_launch()
         if self.bf16 is None and not self.fp16 and not _cuda_available():
             self.bf16 = _cpu_only() and _cpu_has_bf16_instructions()

@@ -34,8 +34,17 @@ class Completion:
     logprobs: list[float] | None = None
 
 
-# (chat prompts, the tools each offers or None) -> one `Completion` per prompt
-TurnGenerator = Callable[[list[Messages], list[Tools | None]], list[Completion]]
+@dataclass(frozen=True)
+class PromptTooLong:
+    """What a generator answers for a prompt it did not generate from: its `tokens` exceed the `limit` the model's
+    context leaves a prompt (the context less `max_completion_length`). The turn loop ends its episode, truncated."""
+
+    tokens: int
+    limit: int
+
+
+# (chat prompts, the tools each offers or None) -> one `Completion` (or `PromptTooLong`) per prompt
+TurnGenerator = Callable[[list[Messages], list[Tools | None]], list[Completion | PromptTooLong]]
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from typing import Any
 
 from gigpo_trl.envs import (
     ANCHOR_KINDS, INFO_ADMISSIBLE_ACTIONS, INFO_ANCHOR, INFO_ANCHOR_KIND, INFO_TASK, INFO_WON, TextEnv, anchor_of,
+    info_metrics,
 )
 
 
@@ -128,6 +129,10 @@ def _check_observation_and_info(observation: Any, info: Any, where: str) -> None
         raise EnvCheckError(f"{where}: info['task'] must be a str, got {type(info[INFO_TASK]).__name__}")
     if INFO_ANCHOR_KIND in info and info[INFO_ANCHOR_KIND] not in ANCHOR_KINDS:
         raise EnvCheckError(f"{where}: info['anchor_kind'] must be one of {ANCHOR_KINDS}, got {info[INFO_ANCHOR_KIND]!r}")
+    try:
+        info_metrics(info)
+    except ValueError as exc:
+        raise EnvCheckError(f"{where}: {exc}") from None
 
 
 def _is_bool(value: Any) -> bool:

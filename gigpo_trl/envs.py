@@ -37,9 +37,14 @@ from __future__ import annotations
 
 import functools
 import importlib
+import math
+import numbers
+import re
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
+
+from gigpo_trl.metric_names import ENV_PREFIX, TRAINER_ENV_METRICS
 
 INFO_ANCHOR = "anchor"
 INFO_ADMISSIBLE_ACTIONS = "admissible_actions"
@@ -47,7 +52,34 @@ INFO_WON = "won"
 INFO_TASK = "task"
 INFO_TASK_TYPE = "task_type"
 INFO_ANCHOR_KIND = "anchor_kind"
+INFO_METRICS = "metrics"
 ANCHOR_KINDS = ("state", "history")
+# What an environment may name a metric of its own: it is logged as env/<name> (and env/<name>/<task type>).
+ENV_METRIC_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+
+
+def info_metrics(info: Mapping[str, Any]) -> dict[str, float]:
+    """The numbers an environment reports for the run's metrics in `info["metrics"]` ({name: number}, on reset or any
+    step; {} without it). The run logs the mean over its episodes of each one's latest value as `env/<name>`, and per
+    task type as `env/<name>/<type>`. Raises ValueError naming what does not fit: a name other than letters, digits,
+    `_`, `.`, `-`, a name the trainer logs itself, a value that is not a finite number."""
+    metrics = info.get(INFO_METRICS)
+    if metrics is None:
+        return {}
+    if not isinstance(metrics, Mapping):
+        raise ValueError(f"info['metrics'] must be a dict of {{name: number}}, got {type(metrics).__name__}")
+    checked = {}
+    for name, value in metrics.items():
+        if not isinstance(name, str) or not ENV_METRIC_NAME.fullmatch(name):
+            raise ValueError(f"info['metrics'] has the name {name!r}: use letters, digits, '_', '.' and '-' (it is "
+                             "logged as env/<name>)")
+        if ENV_PREFIX + name in TRAINER_ENV_METRICS:
+            raise ValueError(f"info['metrics'][{name!r}] would be logged as env/{name}, which the trainer logs itself: "
+                             "rename it")
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+            raise ValueError(f"info['metrics'][{name!r}] must be a finite number, got {value!r}")
+        checked[name] = float(value)
+    return checked
 
 
 @runtime_checkable

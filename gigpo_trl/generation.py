@@ -1,5 +1,6 @@
 """The generation switches a rollout flips on TRL's backends: greedy decoding for held-out evaluation, and vLLM's
-sleep mode woken once per rollout instead of once per turn; and TRL's generated tokens turned into `Completion`s.
+sleep mode woken once per rollout instead of once per turn; TRL's generated tokens turned into `Completion`s; and the
+room a prompt has in the model's context (`prompt_token_limit`, `over_long_prompts`).
 
 The switches change attributes of a `GRPOTrainer` (its `generation_config`, or its `vllm_generation`) for the
 duration of a `with` block and restore them after it.
@@ -74,3 +75,19 @@ def completions_from_tokens(prompt_ids: Sequence[Sequence[int]], completion_ids:
             lps = None if lps is None else [float("nan")]
         completions.append(Completion(list(prompt_ids[k]), ids, decode(ids), lps))
     return completions
+
+
+def prompt_token_limit(max_position_embeddings: int | None, vllm_max_model_length: int | None,
+                       max_completion_length: int) -> int | None:
+    """The most tokens a prompt may have so that its answer, up to `max_completion_length` tokens, fits the model's
+    context: vLLM's `max_model_len` where one is set (`vllm_max_model_length`, under vLLM), else the model's
+    `max_position_embeddings`; None where neither is known (no limit is checked)."""
+    context = vllm_max_model_length or max_position_embeddings
+    return None if context is None else context - max_completion_length
+
+
+def over_long_prompts(prompt_ids: Sequence[Sequence[int]], limit: int | None) -> dict[int, int]:
+    """{position: token count} of the prompts of more than `limit` tokens (none without a limit)."""
+    if limit is None:
+        return {}
+    return {k: len(ids) for k, ids in enumerate(prompt_ids) if len(ids) > limit}

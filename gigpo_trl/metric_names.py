@@ -19,12 +19,19 @@ RETURN_STD = "env/return_std"
 EPISODE_LENGTH_MEAN = "env/episode_length_mean"
 TRUNCATED_SHARE = "env/truncated_share"
 ENV_ERROR_SHARE = "env/env_error_share"
+CONTEXT_OVERFLOW_SHARE = "env/context_overflow_share"  # ended as a step's prompt would not fit the model's context
 INVALID_ACTION_RATE = "env/invalid_action_rate"
 STEP_SAMPLES = "env/step_samples"
 GROUP_RETURN_STD = "env/group_return_std"
 PANEL_TASKS = "env/panel_tasks"
 PANEL_UNPLAYED = "env/panel_unplayed"
 PANEL_UNPLAYED_TASKS = "env/panel_unplayed_tasks"  # a text, logged by an evaluation that could not play every task
+PASS_AT_PREFIX = "env/pass@"  # env/pass@k (and env/pass@k/<task type>): an evaluation of k or more copies per task
+# The names above, which an environment's own metrics (`info["metrics"]`, logged as env/<name>) may not take.
+TRAINER_ENV_METRICS = (
+    SUCCESS_RATE, RETURN_MEAN, RETURN_STD, EPISODE_LENGTH_MEAN, TRUNCATED_SHARE, ENV_ERROR_SHARE, CONTEXT_OVERFLOW_SHARE,
+    INVALID_ACTION_RATE, STEP_SAMPLES, GROUP_RETURN_STD, PANEL_TASKS, PANEL_UNPLAYED, PANEL_UNPLAYED_TASKS,
+)
 
 # GiGPO's step groups and advantages (`gigpo_trl.advantages.StepGroupStats`, `gigpo_trl.metrics`).
 GIGPO_PREFIX = "gigpo/"
@@ -38,11 +45,14 @@ EPISODE_ADVANTAGE_STD = "gigpo/episode_advantage_std"
 STEP_ADVANTAGE_STD = "gigpo/step_advantage_std"
 UPDATE_STEP_SAMPLES = "gigpo/update_step_samples"
 NONZERO_ADVANTAGE_SHARE = "gigpo/nonzero_advantage_share"
+# GRPOTrainer's standard metric in GiGPO's terms: the share of task groups whose copies all got the same return.
+FRAC_REWARD_ZERO_STD = "frac_reward_zero_std"
 
-# Revisits, reversals and cycles of the episodes' states (`gigpo_trl.loops.LoopCounts`).
+# Revisits, stays, turn-backs and cycles of the episodes' states (`gigpo_trl.loops.LoopCounts`).
 LOOPS_PREFIX = "loops/"
 REVISIT_SHARE = "loops/revisit_share"
-REVERSAL_SHARE = "loops/reversal_share"
+STAY_SHARE = "loops/stay_share"
+TURN_BACK_SHARE = "loops/turn_back_share"
 CYCLE_END_SHARE = "loops/cycle_end_share"
 DISTINCT_STATES_MEAN = "loops/distinct_states_mean"
 
@@ -66,6 +76,8 @@ EXTRA_ROLLOUT_S = "dynamic_sampling/extra_rollout_s"
 
 # Reward-std filtering's task groups (`gigpo_trl.dynamic_sampling.StdFilterCounts`).
 REWARD_STD_FILTER_PREFIX = "reward_std_filter/"
+STD_FILTER_GROUPS_KEPT = "reward_std_filter/groups_kept"
+STD_FILTER_GROUPS_KEPT_ZERO_STD = "reward_std_filter/groups_kept_zero_std"
 
 # A training step's gradient norm over the median of those logged before it (`gigpo_trl.run_logs`).
 GRAD_NORM_SPIKE = "grad_norm/spike"

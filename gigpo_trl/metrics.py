@@ -2,7 +2,8 @@
 
 A process summarizes its own rollout (`RolloutSummary.of`); the trainer gathers the summaries of all processes and
 `rollout_metrics` turns them into the logged numbers (`env/*`, `gigpo/*`, `loops/*`, `timing/*`, `dynamic_sampling/*`,
-`reward_std_filter/*`, TRL's `reward`, ...), so a metric means the same on one process and on many. Evaluations count
+`reward_std_filter/*`, TRL's `reward`, ...), so a metric means the same on one process and on many. An episode whose
+environment failed before its first action (`unplayed`) is in no mean, only in `env/env_error_share`. Evaluations count
 every held-out (task, copy) once, over the tasks they could play (`panel_metrics`, `panel_tasks`), and the loss's
 per-row metrics leave the lock-step padding rows out (`padding_free_row_metrics`; a micro-batch run in several passes
 logs one value, `merged_pass_metrics`). No torch and no trainer state here.
@@ -11,10 +12,11 @@ logs one value, `merged_pass_metrics`). No torch and no trainer state here.
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from collections import defaultdict
-from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -22,9 +24,10 @@ from gigpo_trl.advantages import GiGPOAdvantages, StepGroupStats
 from gigpo_trl.dynamic_sampling import SamplingCounts, StdFilterCounts
 from gigpo_trl.loops import EpisodeLoops, LoopCounts
 from gigpo_trl.metric_names import (
-    ADVANTAGES_S, ENV_ERROR_SHARE, ENV_S, EPISODE_LENGTH_MEAN, GENERATION_S, GROUP_RETURN_STD, INVALID_ACTION_RATE,
-    NONZERO_ADVANTAGE_SHARE, NUM_ROWS, PANEL_TASKS, PANEL_UNPLAYED, RETURN_MEAN, RETURN_STD, ROLLOUT_S, STEP_SAMPLES,
-    SUCCESS_RATE, TOKENS_PER_S, TRUNCATED_SHARE, UPDATE_S, UPDATE_STEP_SAMPLES,
+    ADVANTAGES_S, CONTEXT_OVERFLOW_SHARE, ENV_ERROR_SHARE, ENV_PREFIX, ENV_S, EPISODE_LENGTH_MEAN, FRAC_REWARD_ZERO_STD,
+    GENERATION_S, GROUP_RETURN_STD, INVALID_ACTION_RATE, NONZERO_ADVANTAGE_SHARE, NUM_ROWS, PANEL_TASKS, PANEL_UNPLAYED,
+    PASS_AT_PREFIX, RETURN_MEAN, RETURN_STD, ROLLOUT_S, STEP_SAMPLES, SUCCESS_RATE, TOKENS_PER_S, TRUNCATED_SHARE,
+    UPDATE_S, UPDATE_STEP_SAMPLES,
 )
 from gigpo_trl.rollout import Episode, Rollout
 
@@ -50,18 +53,56 @@ class RolloutTimes:
 
 
 @dataclass(frozen=True)
+class EnvMetricTotals:
+    """The environment's own metrics of a set of episodes (each episode's latest `info["metrics"]` values, see
+    `gigpo_trl.envs.info_metrics`) as sums and counts per name and per name and task type ("name/type"), which add up
+    over processes (`combine`)."""
+
+    sums: dict[str, float]
+    counts: dict[str, int]
+
+    @classmethod
+    def of(cls, episodes: Iterable[tuple[str | None, Mapping[str, float]]]) -> EnvMetricTotals:
+        """From (task type, metrics) per episode."""
+        sums: dict[str, float] = defaultdict(float)
+        counts: dict[str, int] = defaultdict(int)
+        for task_type, metrics in episodes:
+            for name, value in metrics.items():
+                for key in (name, f"{name}/{task_type}") if task_type is not None else (name,):
+                    sums[key] += value
+                    counts[key] += 1
+        return cls(dict(sums), dict(counts))
+
+    @classmethod
+    def combine(cls, parts: Iterable[EnvMetricTotals]) -> EnvMetricTotals:
+        sums: dict[str, float] = defaultdict(float)
+        counts: dict[str, int] = defaultdict(int)
+        for part in parts:
+            for key, value in part.sums.items():
+                sums[key] += value
+                counts[key] += part.counts[key]
+        return cls(dict(sums), dict(counts))
+
+    def as_metrics(self) -> dict[str, float]:
+        """`env/<name>` and `env/<name>/<task type>`: the mean over the episodes that reported the metric."""
+        return {f"{ENV_PREFIX}{key}": self.sums[key] / self.counts[key] for key in sorted(self.sums)}
+
+
+@dataclass(frozen=True)
 class RolloutSummary:
     """What one process's rollout contributes to the logged metrics: sums and counts, which add up over processes,
     extremes and times, whose maximum over processes is logged, and the step-group statistics of its advantages."""
 
-    episodes: int
+    episodes: int  # played: those whose environment did not fail before their first action (`unplayed`)
+    unplayed: int
     won: int
     success_known: int  # episodes whose environment said whether they were won (`Episode.won` is not None)
     return_sum: float
     return_squares: float
     length_sum: int
     truncated: int
-    env_errors: int
+    env_errors: int  # played episodes ended by their environment's failure
+    context_overflows: int  # episodes ended as a step's prompt would not fit the model's context
     task_groups: int
     equal_return_groups: int  # task groups whose copies all got the same return: no episode advantage
     spread_groups: int  # task groups of two trajectories or more
@@ -82,6 +123,7 @@ class RolloutSummary:
     sampling: SamplingCounts | None  # what dynamic sampling did (None: off)
     std_filter: StdFilterCounts | None  # what reward-std filtering did, over all processes (None: off)
     loops: LoopCounts | None  # revisits and cycles (None: no episode's anchors are states)
+    env_metrics: EnvMetricTotals  # the environment's own metrics (info["metrics"])
 
     @classmethod
     def of(cls, rollout: Rollout, gigpo: GiGPOAdvantages, times: RolloutTimes, *, max_completion_length: int,
@@ -96,7 +138,7 @@ class RolloutSummary:
             sampling: what dynamic sampling did, when it is on.
             std_filter: what reward-std filtering did, when it is on (the same on every process).
         """
-        episodes, steps = rollout.episodes, rollout.steps
+        episodes, steps = [e for e in rollout.episodes if not unplayed(e)], rollout.steps
         returns = np.array([e.episode_return for e in episodes], dtype=np.float64)
         rewards = np.asarray(steps.reward, dtype=np.float64)
         answer_lengths = [len(c.completion_ids) for c in steps.completion]
@@ -106,6 +148,7 @@ class RolloutSummary:
         loops = [figures for figures in rollout.loops() if figures is not None]
         return cls(
             episodes=len(episodes),
+            unplayed=len(rollout.episodes) - len(episodes),
             won=sum(e.won is True for e in episodes),
             success_known=sum(e.won is not None for e in episodes),
             return_sum=float(returns.sum()),
@@ -113,6 +156,7 @@ class RolloutSummary:
             length_sum=sum(e.length for e in episodes),
             truncated=sum(e.truncated for e in episodes),
             env_errors=sum(e.env_error is not None for e in episodes),
+            context_overflows=sum(e.context_overflow is not None for e in episodes),
             task_groups=len(returns_by_group),
             equal_return_groups=sum(bool(np.isclose(np.std(group), 0.0)) for group in returns_by_group.values()),
             spread_groups=sum(len(group) > 1 for group in returns_by_group.values()),
@@ -134,6 +178,7 @@ class RolloutSummary:
             sampling=sampling,
             std_filter=std_filter,
             loops=LoopCounts.of(loops) if loops else None,
+            env_metrics=EnvMetricTotals.of((e.task_type, e.metrics) for e in episodes),
         )
 
 
@@ -162,7 +207,8 @@ def rollout_metrics(summaries: Sequence[RolloutSummary], update_seconds: float |
         RETURN_STD: _bessel_std(total("return_sum"), total("return_squares"), episodes),
         EPISODE_LENGTH_MEAN: total("length_sum") / max(episodes, 1),
         TRUNCATED_SHARE: total("truncated") / max(episodes, 1),
-        ENV_ERROR_SHARE: total("env_errors") / max(episodes, 1),
+        ENV_ERROR_SHARE: (total("env_errors") + total("unplayed")) / max(episodes + total("unplayed"), 1),
+        CONTEXT_OVERFLOW_SHARE: total("context_overflows") / max(episodes, 1),
         INVALID_ACTION_RATE: total("invalid") / max(steps, 1),
         STEP_SAMPLES: steps,
         **step_groups,
@@ -181,7 +227,7 @@ def rollout_metrics(summaries: Sequence[RolloutSummary], update_seconds: float |
         "completions/clipped_ratio": total("clipped") / max(steps, 1),
         "reward": total("reward_sum") / max(steps, 1),
         "reward_std": _bessel_std(total("reward_sum"), total("reward_squares"), steps),
-        "frac_reward_zero_std": total("equal_return_groups") / max(total("task_groups"), 1),
+        FRAC_REWARD_ZERO_STD: total("equal_return_groups") / max(total("task_groups"), 1),
     }
     if total("spread_groups"):  # a group of one trajectory (one copy: evaluation's default) has no spread
         metrics[GROUP_RETURN_STD] = total("group_return_std_sum") / total("spread_groups")
@@ -194,6 +240,7 @@ def rollout_metrics(summaries: Sequence[RolloutSummary], update_seconds: float |
     loops = [s.loops for s in summaries if s.loops is not None]
     if loops:
         metrics.update(LoopCounts.combine(loops).as_metrics())
+    metrics.update(EnvMetricTotals.combine([s.env_metrics for s in summaries]).as_metrics())
     return metrics
 
 
@@ -271,14 +318,21 @@ class PanelEpisode:
     length: int
     unplayed: str | None = None  # why it could not be played: its environment failed before the first action
     loops: LoopCounts | None = None  # its revisits and cycles (None: its anchors are not states)
+    metrics: dict[str, float] = field(default_factory=dict)  # the environment's own metrics (info["metrics"])
 
     @classmethod
     def of(cls, episode: Episode, group_size: int, loops: EpisodeLoops | None = None) -> PanelEpisode:
         """`loops`: the episode's entry of `Rollout.loops()`."""
-        unplayed = episode.env_error if episode.length == 0 else None
         return cls(task_name(episode.seed, episode.options), episode.trajectory % group_size, episode.task_type,
-                   episode.won, episode.episode_return, episode.length, unplayed,
-                   LoopCounts.of([loops]) if loops is not None else None)
+                   episode.won, episode.episode_return, episode.length,
+                   episode.env_error if unplayed(episode) else None,
+                   LoopCounts.of([loops]) if loops is not None else None, dict(episode.metrics))
+
+
+def unplayed(episode: Episode) -> bool:
+    """Whether an episode was never played: its environment failed before the first action (every reset attempt).
+    Such an episode is no episode of the means (a return of 0 in 0 steps it never had), only an environment failure."""
+    return episode.length == 0 and episode.env_error is not None
 
 
 def task_name(seed: int | None, options: dict | None) -> str:
@@ -298,9 +352,11 @@ def panel_tasks(episodes: Sequence[PanelEpisode]) -> tuple[list[str], dict[str, 
     return sorted({episode.task for episode in first_plays} - unplayed.keys()), dict(sorted(unplayed.items()))
 
 
-def panel_metrics(episodes: Sequence[PanelEpisode]) -> dict[str, float]:
+def panel_metrics(episodes: Sequence[PanelEpisode], pass_ks: Sequence[int] | None = None) -> dict[str, float]:
     """Success rate, mean return and mean episode length over the distinct (task, copy) pairs of the tasks an evaluation
-    played, overall and per task type (`env/success_rate/<type>`), the loop metrics (`loops/*`) of those whose anchors
+    played, overall and per task type (`env/success_rate/<type>`); with two copies or more of each task, pass@k
+    (`env/pass@k`, `env/pass@k/<type>` for each k of `pass_ks`, see `pass_rates`); the environment's own metrics
+    (`env/<name>`); the loop metrics (`loops/*`) of those whose anchors
     are states, the number of distinct tasks (`env/panel_tasks`) and of those that could not be played
     (`env/panel_unplayed`, see `panel_tasks`): every figure is over the `env/panel_tasks - env/panel_unplayed` tasks
     played, so that one that could not start counts neither as a loss nor as an episode of length 0. The success rates
@@ -323,14 +379,45 @@ def panel_metrics(episodes: Sequence[PanelEpisode]) -> dict[str, float]:
         RETURN_MEAN: float(np.mean([e.episode_return for e in kept])),
         EPISODE_LENGTH_MEAN: float(np.mean([e.length for e in kept])),
     }
+    metrics |= pass_rates(kept, pass_ks)
     for task_type in sorted({e.task_type for e in kept if e.task_type is not None}):
         of_type = [e for e in kept if e.task_type == task_type]
         metrics.update(_success_rate(sum(e.won is True for e in of_type), sum(e.won is not None for e in of_type),
                                      name=f"{SUCCESS_RATE}/{task_type}"))
+        metrics.update(pass_rates(of_type, pass_ks, suffix=f"/{task_type}"))
     loops = [e.loops for e in kept if e.loops is not None]
     if loops:
         metrics.update(LoopCounts.combine(loops).as_metrics())
+    metrics.update(EnvMetricTotals.of((e.task_type, e.metrics) for e in kept).as_metrics())
     return metrics
+
+
+def pass_at_k(copies: int, wins: int, k: int) -> float:
+    """The chance that at least one of k copies of a task wins, estimated without bias from `copies` played copies of
+    which `wins` won: 1 - C(copies - wins, k) / C(copies, k) (Chen et al. 2021, "Evaluating Large Language Models
+    Trained on Code"), for 1 <= k <= copies."""
+    if not 1 <= k <= copies or not 0 <= wins <= copies:
+        raise ValueError(f"pass@k needs 1 <= k <= copies and 0 <= wins <= copies, got k={k}, copies={copies}, "
+                         f"wins={wins}")
+    return 1.0 - math.comb(copies - wins, k) / math.comb(copies, k)
+
+
+def pass_rates(episodes: Sequence[PanelEpisode], ks: Sequence[int] | None = None, suffix: str = "") -> dict[str, float]:
+    """`env/pass@k` (+ `suffix`) for each k of `ks`, the mean over tasks of `pass_at_k`, where every task was played in
+    two copies or more, each saying whether it was won; {} otherwise. `ks` None: 1, 2, 4, ... up to the fewest copies
+    of a task, and that number. Raises ValueError for a k above the fewest copies."""
+    wins: dict[str, list[bool]] = defaultdict(list)
+    for episode in episodes:
+        wins[episode.task].append(episode.won)
+    if not wins or any(None in outcomes for outcomes in wins.values()):
+        return {}
+    copies = min(len(outcomes) for outcomes in wins.values())
+    if copies < 2:
+        return {}
+    if ks is None:
+        ks = sorted({*(2**power for power in range(copies.bit_length()) if 2**power <= copies), copies})
+    return {f"{PASS_AT_PREFIX}{k}{suffix}": float(np.mean([pass_at_k(len(outcomes), sum(outcomes), k)
+                                                           for outcomes in wins.values()])) for k in ks}
 
 
 def _first_plays(episodes: Sequence[PanelEpisode]) -> list[PanelEpisode]:

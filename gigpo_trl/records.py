@@ -6,32 +6,46 @@
          "step_group_sizes": {size: number of step groups of that size},
          "advantage_bins": [edges], "episode_advantage_counts": [...], "step_advantage_counts": [...]}
     OUTPUT_DIR/gigpo/evaluations.jsonl           one JSON object per evaluation (all its rollouts, each task once):
-        {"step": int, "metrics": {"env/success_rate": float, "env/success_rate/<task type>": float, ...,
-                                  "env/panel_tasks": float, "env/panel_unplayed": float},
+        {"step": int, "panel": str | null (the eval_dataset's name; null: the trainer's one eval_dataset),
+         "copies": int (per task), "decoding": "greedy" | "sampled",
+         "metrics": {"env/success_rate": float, "env/success_rate/<task type>": float, "env/pass@k": float, ...,
+                     "env/panel_tasks": float, "env/panel_unplayed": float},
          "tasks": [the names of the tasks played, "seed 7", ...],
          "unplayed": {name of a task that could not be played: why}}   (the metrics are over the tasks played)
     OUTPUT_DIR/gigpo/updates.jsonl               one JSON object per logged training step (`UPDATE_METRICS`):
-        {"step": int, "metrics": {"loss": float, "entropy": float, "grad_norm": float, "grad_norm/spike": float, ...}}
+        {"step": int, "metrics": {"loss": float, "entropy": float, "grad_norm": float, "grad_norm/spike": float, ...},
+         "warnings": [{"rule": str, "message": str}]}   (the training-health warnings it gave; only when any)
     OUTPUT_DIR/gigpo/trajectories/{mode}-{rollout:05d}.json   sample episodes of that rollout:
         [{"group", "trajectory", "seed", "length", "return", "won" (null: the environment did not say), "truncated",
-          "env_error", "ends_in_cycle", "distinct_states",
+          "env_error", "context_overflow" (why a step's prompt did not fit the context; null), "ends_in_cycle",
+          "distinct_states",
           "steps": [{"step", "observation", "completion", "action", "valid", "reward", "step_group_size",
-                     "episode_advantage", "step_advantage", "advantage", "next_state", "revisit", "reversal"}]}]
+                     "episode_advantage", "step_advantage", "advantage", "next_state", "revisit", "stay",
+                     "turn_back"}]}]
         The loop fields (`gigpo_trl.loops.EpisodeLoops`) are null where unknown or not counted, and everywhere in an
         episode whose anchors are not states.
+    OUTPUT_DIR/gigpo/set_aside-<time>/           records that are not this run's (`open_records`), in the same layout
+
+A run never appends to another's records (`open_records`, when the trainer first writes): one that resumes from a
+checkpoint keeps the records up to the checkpoint's step and sets aside those written after it by the run that was
+stopped; one that starts afresh where records exist sets them all aside. Either way it says so.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
+import time
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from transformers.trainer_utils import get_last_checkpoint
 
 from gigpo_trl.advantages import GiGPOAdvantages
+from gigpo_trl.health import HealthWarning
 from gigpo_trl.metric_names import GRAD_NORM_SPIKE
 from gigpo_trl.rollout import Rollout
 
@@ -39,6 +53,8 @@ from gigpo_trl.rollout import Rollout
 # values outside the range are counted in the outer bins.
 ADVANTAGE_BINS = np.linspace(-4.125, 4.125, 34)
 RECORDS_DIR = "gigpo"
+RECORD_FILES = ("iterations.jsonl", "evaluations.jsonl", "updates.jsonl")
+SET_ASIDE_PREFIX = "set_aside-"
 # What TRL logs of a training step that the report draws (those logged; `grad_norm/spike` is GiGPOTrainer's).
 UPDATE_METRICS = ("loss", "entropy", "grad_norm", GRAD_NORM_SPIKE, "learning_rate")
 
@@ -74,14 +90,15 @@ def episode_records(rollout: Rollout, gigpo: GiGPOAdvantages, limit: int) -> lis
                 "episode_advantage": float(gigpo.episode_advantages[row]),
                 "step_advantage": float(gigpo.step_advantages[row]), "advantage": float(gigpo.advantages[row]),
                 "next_state": loops.next_state[t] if loops else None, "revisit": loops.revisit[t] if loops else None,
-                "reversal": loops.reversal[t] if loops else None,
+                "stay": loops.stay[t] if loops else None, "turn_back": loops.turn_back[t] if loops else None,
             }
             for t, row in enumerate(samples.rows_of(episode.trajectory))
         ]
         records.append({
             "group": episode.group, "trajectory": episode.trajectory, "seed": episode.seed, "length": episode.length,
             "return": episode.episode_return, "won": episode.won, "truncated": episode.truncated,
-            "env_error": episode.env_error, "ends_in_cycle": loops.ends_in_cycle if loops else None,
+            "env_error": episode.env_error, "context_overflow": episode.context_overflow,
+            "ends_in_cycle": loops.ends_in_cycle if loops else None,
             "distinct_states": loops.distinct_states if loops else None, "steps": steps,
         })
     return records
@@ -99,11 +116,18 @@ def write_records(output_dir: str | Path, record: dict[str, Any], episodes: list
     staging.replace(path)  # atomic: a report drawn during training never reads half a file
 
 
-def write_evaluation(output_dir: str | Path, step: int, metrics: dict[str, float], tasks: Sequence[str],
-                     unplayed: dict[str, str]) -> None:
-    """Append the record of one evaluation (`GiGPOTrainer.evaluate`) at training step `step`: its metrics, the tasks it
-    played and those it could not play, with why (`gigpo_trl.metrics.panel_tasks`)."""
-    _append(output_dir, "evaluations.jsonl", {"step": step, "metrics": metrics, "tasks": list(tasks), "unplayed": unplayed})
+def evaluation_record(step: int, metrics: dict[str, float], tasks: Sequence[str], unplayed: dict[str, str], *,
+                      panel: str | None = None, copies: int = 1, greedy: bool = True) -> dict[str, Any]:
+    """The record of one evaluation (`GiGPOTrainer.evaluate`) at training step `step`: its metrics, the tasks it played
+    and those it could not play, with why (`gigpo_trl.metrics.panel_tasks`), the panel's name (None: the trainer's
+    eval_dataset), and how it played: `copies` of each task, greedily or sampled."""
+    return {"step": step, "panel": panel, "copies": copies, "decoding": "greedy" if greedy else "sampled",
+            "metrics": metrics, "tasks": list(tasks), "unplayed": unplayed}
+
+
+def write_evaluation(output_dir: str | Path, record: dict[str, Any]) -> None:
+    """Append the record of one evaluation (`evaluation_record`)."""
+    _append(output_dir, "evaluations.jsonl", record)
 
 
 def read_evaluations(output_dir: str | Path) -> list[dict[str, Any]]:
@@ -111,10 +135,15 @@ def read_evaluations(output_dir: str | Path) -> list[dict[str, Any]]:
     return _read(output_dir, "evaluations.jsonl")
 
 
-def write_update(output_dir: str | Path, step: int, logs: dict[str, float]) -> None:
-    """Append the record of one logged training step: the `UPDATE_METRICS` of its log, those logged."""
+def write_update(output_dir: str | Path, step: int, logs: dict[str, float],
+                 warnings: Sequence[HealthWarning] = ()) -> None:
+    """Append the record of one logged training step: the `UPDATE_METRICS` of its log, those logged, and the
+    training-health warnings it gave (`gigpo_trl.health`), if any."""
     metrics = {name: float(logs[name]) for name in UPDATE_METRICS if logs.get(name) is not None}
-    _append(output_dir, "updates.jsonl", {"step": step, "metrics": metrics})
+    record = {"step": step, "metrics": metrics}
+    if warnings:
+        record["warnings"] = [{"rule": warning.rule, "message": warning.message} for warning in warnings]
+    _append(output_dir, "updates.jsonl", record)
 
 
 def read_updates(output_dir: str | Path) -> list[dict[str, Any]]:
@@ -132,6 +161,83 @@ def _append(output_dir: str | Path, name: str, record: dict[str, Any]) -> None:
 def _read(output_dir: str | Path, name: str) -> list[dict[str, Any]]:
     path = Path(output_dir) / RECORDS_DIR / name
     return _complete_records(path) if path.is_file() else []
+
+
+def checkpoint_step(output_dir: str | Path, resume_from_checkpoint: str | bool | None) -> int | None:
+    """The global step of the checkpoint a run resumes from, as transformers' `Trainer.train(resume_from_checkpoint)`
+    reads it (True: the last checkpoint in `output_dir`); None for a run that starts afresh."""
+    if not resume_from_checkpoint:
+        return None
+    checkpoint = get_last_checkpoint(output_dir) if resume_from_checkpoint is True else resume_from_checkpoint
+    if checkpoint is None:
+        raise ValueError(f"No valid checkpoint found in output directory ({output_dir})")
+    state = Path(checkpoint) / "trainer_state.json"
+    if not state.is_file():
+        raise FileNotFoundError(f"cannot resume from {checkpoint}: it holds no trainer_state.json (is it a checkpoint "
+                                "folder, checkpoint-<step>, of a training run?)")
+    return int(json.loads(state.read_text())["global_step"])
+
+
+def open_records(output_dir: str | Path, resume_step: int | None) -> tuple[dict[str, int], str | None]:
+    """Make OUTPUT_DIR/gigpo ready for a run's records, so that they are never mixed with another run's.
+
+    A run that resumes from the checkpoint of step S (`resume_step`, `checkpoint_step`) keeps what the stopped run
+    recorded up to that checkpoint: its logged training steps and evaluations up to step S and its training rollouts
+    before S (the rollout recorded at step S was played for update S + 1, after the checkpoint was saved). Everything
+    later is set aside. A run that starts afresh (`resume_step` None) sets aside every record there. What is set aside
+    moves to OUTPUT_DIR/gigpo/set_aside-<time>/, in the same layout.
+
+    Returns:
+        The rollouts kept per mode ({"train": n, "eval": m}: the numbering goes on from them), and a message saying
+        what was set aside (None when nothing was).
+    """
+    directory = Path(output_dir) / RECORDS_DIR
+    records = {name: _complete_records(directory / name) for name in RECORD_FILES if (directory / name).is_file()}
+    trajectories = sorted((directory / "trajectories").glob("*.json"))
+    if not any(records.values()) and not trajectories:
+        return {"train": 0, "eval": 0}, None
+
+    def later(name: str, record: dict[str, Any]) -> bool:
+        if resume_step is None:
+            return True
+        if name == "iterations.jsonl" and record["mode"] == "train":
+            return record["step"] >= resume_step
+        return record["step"] > resume_step
+
+    aside = directory / time.strftime(f"{SET_ASIDE_PREFIX}%Y%m%d-%H%M%S")
+    while aside.exists():  # two runs started within the second
+        aside = aside.with_name(aside.name + "+")
+    moved = {name: [record for record in all_ if later(name, record)] for name, all_ in records.items()}
+    kept = {name: [record for record in all_ if not later(name, record)] for name, all_ in records.items()}
+    kept_rollouts = {f"{r['mode']}-{r['rollout']:05d}" for r in kept.get("iterations.jsonl", [])}
+    trajectories_aside = [path for path in trajectories if path.stem not in kept_rollouts]
+    if not any(moved.values()) and not trajectories_aside:
+        return count_rollouts(output_dir), None
+    (aside / "trajectories").mkdir(parents=True)
+    for name in records:
+        _write_lines(aside / name, moved[name])
+        _write_lines(directory / name, kept[name])
+    for path in trajectories_aside:
+        shutil.move(path, aside / "trajectories" / path.name)
+    counts = count_rollouts(output_dir)
+    training = [r["step"] for r in moved.get("iterations.jsonl", []) if r["mode"] == "train"]
+    what = (f"{sum(len(records_aside) for records_aside in moved.values())} records"
+            + (f" (training rollouts of steps {min(training)}-{max(training)})" if training else ""))
+    if resume_step is None:
+        message = (f"{directory} held the records of an earlier run: its {what} were moved to {aside}, and this run's "
+                   f"records start afresh. To continue that run instead, resume it from one of its checkpoints "
+                   f"(resume_from_checkpoint).")
+    else:
+        message = (f"resuming from the checkpoint of step {resume_step}: the {what} that the stopped run wrote after it "
+                   f"were moved to {aside}; the records continue from the checkpoint.")
+    return counts, message
+
+
+def _write_lines(path: Path, records: list[dict[str, Any]]) -> None:
+    """Write a jsonl file whole, atomically (a report drawn meanwhile reads the old file or the new one)."""
+    staging = path.with_suffix(".jsonl.partial")
+    staging.write_text("".join(json.dumps(record) + "\n" for record in records))
+    staging.replace(path)
 
 
 def count_rollouts(output_dir: str | Path) -> dict[str, int]:

@@ -26,9 +26,9 @@ from gigpo_trl.metric_names import (
     CYCLE_END_SHARE, DISTINCT_STATES_MEAN, DYNAMIC_SAMPLING_PREFIX, ENV_ERROR_SHARE, EPISODE_ADVANTAGE_STD,
     EPISODE_LENGTH_MEAN, EXTRA_ROLLOUT_S, EXTRA_ROUNDS, GRAD_NORM_SPIKE, GROUPS_DROPPED, GROUPS_KEPT, GROUPS_MISSING,
     GROUPS_ROLLED, GROUPS_SURPLUS, GROUP_RETURN_STD, INVALID_ACTION_RATE, LOOPS_PREFIX, NONZERO_ADVANTAGE_SHARE,
-    NONZERO_STEP_ADVANTAGE_SHARE, PANEL_TASKS, PANEL_UNPLAYED, RETURN_MEAN, REVERSAL_SHARE, REVISIT_SHARE, ROLLOUT_S,
-    SINGLETON_SHARE, STEP_ADVANTAGE_STD, STEP_GROUP_SIZE_MAX, STEP_GROUP_SIZE_MEAN, STEP_SAMPLES, SUCCESS_RATE,
-    TOKENS_PER_S, TRUNCATED_SHARE,
+    NONZERO_STEP_ADVANTAGE_SHARE, PANEL_TASKS, PANEL_UNPLAYED, RETURN_MEAN, REVISIT_SHARE, ROLLOUT_S,
+    SINGLETON_SHARE, STAY_SHARE, STEP_ADVANTAGE_STD, STEP_GROUP_SIZE_MAX, STEP_GROUP_SIZE_MEAN, STEP_SAMPLES,
+    SUCCESS_RATE, TOKENS_PER_S, TRUNCATED_SHARE, TURN_BACK_SHARE,
 )
 from gigpo_trl.metrics import GRAD_NORM_SPIKE_WINDOW
 from gigpo_trl.records import RECORDS_DIR, read_evaluations, read_iterations, read_trajectories, read_updates
@@ -45,9 +45,10 @@ PLOT_CAPTIONS = {
     "step_groups.png": "Step groups: the states that several copies of a task reached, whose steps GiGPO compares.",
     "advantages.png": "Distributions of the episode advantage A_E and of the step advantage A_S over step samples.",
     "loops.png": "Loops, counted from the anchors: the share of steps that go back to a state their episode had "
-                 "visited, of immediate reversals (back to the state of two steps before), of episodes cut off inside "
-                 "a cycle, and the distinct states per episode (docs/metrics.md). Not applicable where the "
-                 "environment's anchors are histories, not states.",
+                 "visited, of steps that stay where they were (a move into a wall, an action that changes nothing), "
+                 "of steps that turn straight back to the state they came from, of episodes cut off inside a cycle, "
+                 "and the distinct states per episode (docs/metrics.md). Not applicable where the environment's "
+                 "anchors are histories, not states.",
 }
 # Drawn when the run recorded its training steps' logs (gigpo/updates.jsonl).
 HEALTH_CAPTION = ("health.png", "Early warnings of a collapse (RAGEN's): the policy entropy and the gradient norm of "
@@ -77,7 +78,8 @@ KEY_METRICS = {
     INVALID_ACTION_RATE: "share of answers without a well-formed <action> block",
     GROUP_RETURN_STD: "mean over task groups of the standard deviation of their copies' returns",
     REVISIT_SHARE: "share of steps that go back to a state their episode had visited",
-    REVERSAL_SHARE: "share of steps back to the state of two steps before",
+    STAY_SHARE: "share of steps that stay in the state they were taken in",
+    TURN_BACK_SHARE: "share of steps straight back to the state they came from",
     CYCLE_END_SHARE: "share of episodes cut off inside a cycle",
     DISTINCT_STATES_MEAN: "distinct states per episode",
     STEP_SAMPLES: "step samples (one per environment step)",
@@ -144,7 +146,7 @@ def write_report(output_dir: str | Path, max_rollouts: int = DEFAULT_ROLLOUTS_SH
         captions[DYNAMIC_SAMPLING_CAPTION[0]] = DYNAMIC_SAMPLING_CAPTION[1]
 
     page = _page(Path(output_dir), records, _trajectory_viewer(records, read_trajectories(output_dir), max_rollouts),
-                 captions, _unplayed_tasks(evaluations))
+                 captions, _health_warnings(updates) + _unplayed_tasks(evaluations))
     (report_dir / "index.html").write_text(page, encoding="utf-8")
     return report_dir
 
@@ -167,13 +169,14 @@ def _plot_outcomes(train: list[dict[str, Any]], evaluation: list[dict[str, Any]]
 def _plot_loops(train: list[dict[str, Any]], evaluation: list[dict[str, Any]]) -> Figure:
     panels = (
         (REVISIT_SHARE, "Revisits", "share of steps back to a visited state"),
-        (REVERSAL_SHARE, "Immediate reversals", "share of steps back to the state two before"),
+        (STAY_SHARE, "Stays", "share of steps that stay in their state"),
+        (TURN_BACK_SHARE, "Turn-backs", "share of steps back to the state they came from"),
         (CYCLE_END_SHARE, "Episodes ending in a cycle", "share of episodes cut off in a visited state"),
         (DISTINCT_STATES_MEAN, "Distinct states", "states per episode (the start included)"),
     )
     applicable = any(name.startswith(LOOPS_PREFIX) for record in train + evaluation for name in record["metrics"])
     not_reported = {} if applicable else {metric: LOOPS_NOT_APPLICABLE for metric, _, _ in panels}
-    return _metric_panels(train, evaluation, panels, not_reported, shares=(0, 1, 2))
+    return _metric_panels(train, evaluation, panels, not_reported, shares=(0, 1, 2, 3))
 
 
 def _metric_panels(train: list[dict[str, Any]], evaluation: list[dict[str, Any]], panels: Sequence[tuple[str, str, str]],
@@ -355,7 +358,7 @@ def _first_and_last(train: list[dict[str, Any]], evaluation: list[dict[str, Any]
 # ------------------------------------------------------------------------------------------
 
 
-def _page(output_dir: Path, records: list[dict[str, Any]], viewer: str, captions: dict[str, str], unplayed: str) -> str:
+def _page(output_dir: Path, records: list[dict[str, Any]], viewer: str, captions: dict[str, str], notices: str) -> str:
     counts = {mode: sum(record["mode"] == mode for record in records) for mode in MODE_NAMES}
     steps = [record["step"] for record in records]
     figures = "\n".join(
@@ -373,7 +376,7 @@ def _page(output_dir: Path, records: list[dict[str, Any]], viewer: str, captions
 <h1>GiGPO run report</h1>
 <p>Run <code>{_escape(output_dir.resolve())}</code>: {counts["train"]} training and {counts["eval"]} evaluation
 rollouts recorded, training steps {min(steps)} to {max(steps)}.</p>
-{unplayed}<h2>Latest metrics</h2>
+{notices}<h2>Latest metrics</h2>
 {_metrics_table(records)}
 <h2>Plots</h2>
 {figures}
@@ -382,6 +385,17 @@ rollouts recorded, training steps {min(steps)} to {max(steps)}.</p>
 </body>
 </html>
 """
+
+
+def _health_warnings(updates: list[dict[str, Any]]) -> str:
+    """The training-health warnings the run gave (`gigpo_trl.health`), each at its logged training step; "" when it
+    gave none."""
+    items = [f"<li>step {record['step']}: {_escape(warning['message'])}</li>"
+             for record in updates for warning in record.get("warnings", [])]
+    if not items:
+        return ""
+    return ('<div class="health"><p>Training health: the run said it had stopped learning (docs/metrics.md, '
+            '"Training health").</p>\n<ul>' + "\n".join(items) + "</ul></div>\n")
 
 
 def _unplayed_tasks(evaluations: list[dict[str, Any]]) -> str:
@@ -434,7 +448,7 @@ def _trajectory_viewer(records: list[dict[str, Any]], trajectories: dict[str, li
         "<p>Each rollout lists its sample episodes (the trainer records the first <code>log_trajectories</code> "
         "episodes of every rollout); open an episode to see its steps in order. Rows of invalid answers are shaded; "
         "the state after each step is numbered in the order the episode first visited it, and a step back to a "
-        "visited state is marked (revisit, reversal); "
+        "visited state is marked (stay, turn back, or revisit); "
         "A = A_E + step_advantage_weight &times; A_S is the advantage of the loss.</p>",
         '<p><button type="button" onclick="setAll(true)">expand all</button> '
         '<button type="button" onclick="setAll(false)">collapse all</button></p>',
@@ -465,6 +479,8 @@ def _episode_details(episode: dict[str, Any]) -> str:
         outcome.append("ends in a cycle")
     if episode["env_error"] is not None:
         outcome.append(f"environment error: {_escape(episode['env_error'])}")
+    if episode.get("context_overflow"):
+        outcome.append(f"ended as {_escape(episode['context_overflow'])}")
     distinct = episode.get("distinct_states")
     summary = (f"task group {episode['group']} · environment {episode['trajectory']} · seed {_escape(episode['seed'])}"
                f" · return {episode['return']:.3f} · {episode['length']} steps · "
@@ -478,8 +494,8 @@ def _episode_details(episode: dict[str, Any]) -> str:
             ("answer", "the model's completion"),
             ("action sent", "what the environment received"),
             ("state after", "the state the action led to, numbered in the order the episode first visited its states "
-                            "(#0: the start); 'revisit': visited before in the episode; 'reversal': the state of two "
-                            "steps before (docs/metrics.md)"),
+                            "(#0: the start); 'stay': the state the step was taken in; 'turn back': the state it came "
+                            "from; 'revisit': visited earlier in the episode (docs/metrics.md)"),
             ("valid", "the answer had a well-formed <action> block"),
             ("reward", "r_t, received after the action"),
             ("step group", "how many step samples of the task group were taken in this state"),
@@ -502,11 +518,12 @@ def _episode_details(episode: dict[str, Any]) -> str:
 
 
 def _state_after(step: dict[str, Any]) -> str:
-    """'#k', with 'revisit' or 'reversal' where the step went back; '–' where unknown or not a state."""
+    """'#k', with 'stay', 'turn back' or 'revisit' where the step went back; '–' where unknown or not a state."""
     number = step.get("next_state")
     if number is None:
         return "–"
-    mark = " reversal" if step.get("reversal") else " revisit" if step.get("revisit") else ""
+    mark = (" stay" if step.get("stay") else " turn back" if step.get("turn_back")
+            else " revisit" if step.get("revisit") else "")
     return f"#{number}{mark}"
 
 
@@ -536,7 +553,7 @@ details.episode { margin-left: 1.5em; }
 summary { cursor: pointer; }
 pre { margin: 0; white-space: pre-wrap; word-break: break-word; max-height: 20em; overflow: auto; font-size: 0.85em; }
 tr.invalid { background: #fff3f3; }
-.unplayed { border: 2px solid #c60; background: #fff6e8; padding: 0 1em; }
+.unplayed, .health { border: 2px solid #c60; background: #fff6e8; padding: 0 1em; }
 tr.revisit td:nth-child(5) { background: #fff1c2; font-weight: bold; }
 .won { color: #17702a; font-weight: bold; }
 .lost { color: #a33; }

@@ -19,9 +19,11 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from gigpo_trl.dialogue import DUMMY_PROMPT, Completion, Dialogue, Exchange, Messages, TextDialogue, TurnGenerator
+from gigpo_trl.dialogue import (
+    DUMMY_PROMPT, Completion, Dialogue, Exchange, Messages, PromptTooLong, TextDialogue, TurnGenerator,
+)
 from gigpo_trl.env_pool import INFO_ENV_ERROR, EnvPool
-from gigpo_trl.envs import INFO_ANCHOR_KIND, INFO_TASK_TYPE, INFO_WON, EnvOutput
+from gigpo_trl.envs import INFO_ANCHOR_KIND, INFO_TASK_TYPE, INFO_WON, EnvOutput, info_metrics
 from gigpo_trl.loops import EpisodeLoops, episode_loops
 from gigpo_trl.tasks import Task
 
@@ -74,6 +76,11 @@ class Episode:
     done: bool = False  # the episode has ended (on its own or cut off)
     truncated: bool = False  # cut off (max_env_steps, the environment's own limit, or an environment failure)
     env_error: str | None = None  # why the environment failed, if it did
+    # Why it ended before a step's generation, if it did: that step's prompt would not fit the model's context
+    # (`PromptTooLong`; the episode is truncated there).
+    context_overflow: str | None = None
+    # The latest value of each of the environment's own metrics (info["metrics"], `gigpo_trl.envs.info_metrics`).
+    metrics: dict[str, float] = field(default_factory=dict)
     final_anchor: Hashable = None  # the anchor of the state the last step led to (of the start state before a step)
     anchor_kind: str = "state"  # what the environment said its anchors are on reset (info["anchor_kind"])
 
@@ -169,7 +176,7 @@ def collect_rollout(
         for i in range(len(current))
     ]
     for episode, output in zip(episodes, current):
-        _end_if_done(episode, output)
+        _end_if_done(episode, output, pool.name)
     histories: list[list[Exchange]] = [[] for _ in current]
 
     turns = tqdm(range(max_env_steps), desc="rollout turns", leave=False, disable=not show_progress)
@@ -186,17 +193,24 @@ def collect_rollout(
         prompts += [DUMMY_PROMPT] * (num_prompts - len(prompts))
 
         started = time.perf_counter()
-        completions = generate(prompts, tools)[: len(live)]
+        answers = generate(prompts, tools)[: len(live)]
         rollout.generation_seconds += time.perf_counter() - started
         rollout.generate_calls += 1
-        rollout.generated_tokens += sum(len(c.completion_ids) for c in completions)
+        for i, answer in zip(live, answers):
+            if isinstance(answer, PromptTooLong):  # no room left in the context: the episode ends here
+                episodes[i].done = episodes[i].truncated = True
+                episodes[i].context_overflow = (f"the prompt of step {t} has {answer.tokens} tokens, more than the "
+                                                f"{answer.limit} the model's context leaves it")
+        playing = [(i, prompt, answer) for i, prompt, answer in zip(live, prompts, answers)
+                   if isinstance(answer, Completion)]
+        rollout.generated_tokens += sum(len(completion.completion_ids) for _, _, completion in playing)
 
-        parsed = {i: dialogue.read(c, start[i], current[i]) for i, c in zip(live, completions)}
+        parsed = {i: dialogue.read(completion, start[i], current[i]) for i, _, completion in playing}
         started = time.perf_counter()
-        results = pool.step({i: p.action for i, p in parsed.items()}) if live else {}
+        results = pool.step({i: p.action for i, p in parsed.items()}) if parsed else {}
         rollout.env_seconds += time.perf_counter() - started
 
-        for i, prompt, completion in zip(live, prompts, completions):
+        for i, prompt, completion in playing:
             result, episode = results[i], episodes[i]
             rollout.steps.append(
                 group=episode.group, trajectory=i, step=t, anchor=current[i].anchor,
@@ -208,7 +222,7 @@ def collect_rollout(
             episode.episode_return += result.reward
             episode.final_anchor = result.anchor
             current[i] = result
-            _end_if_done(episode, result)
+            _end_if_done(episode, result, pool.name)
     turns.close()
 
     for episode in episodes:
@@ -218,7 +232,11 @@ def collect_rollout(
     return rollout
 
 
-def _end_if_done(episode: Episode, output: EnvOutput) -> None:
+def _end_if_done(episode: Episode, output: EnvOutput, env_name: str) -> None:
+    try:
+        episode.metrics.update(info_metrics(output.info))
+    except ValueError as exc:
+        raise ValueError(f"environment {env_name!r}, task seed {episode.seed}: {exc}") from None
     if output.info.get(INFO_WON) is not None:  # an output that does not say (a failure's) keeps what the last one said
         episode.won = bool(output.info[INFO_WON])
     if output.done:

@@ -10,22 +10,26 @@ from __future__ import annotations
 import math
 import warnings
 from collections import defaultdict, deque
+from typing import Any
 
 import numpy as np
 from accelerate.utils import gather_object
 
 from gigpo_trl.advantages import GiGPOAdvantages
 from gigpo_trl.dynamic_sampling import SamplingCounts, StdFilterCounts
-from gigpo_trl.loops import LOOP_WARNING, LoopAlarm, entropy_baseline, loop_warning_due
+from gigpo_trl.health import HEALTH_METRICS, HealthWarning, TrainingHealth
 from gigpo_trl.metric_names import (
-    EXTRA_ROUNDS, GRAD_NORM_SPIKE, GROUPS_DROPPED, GROUPS_KEPT, GROUPS_MISSING, GROUPS_ROLLED, NUM_STEP_GROUPS,
-    PANEL_UNPLAYED, PANEL_UNPLAYED_TASKS, REVISIT_SHARE, SINGLETON_SHARE, evaluation_name,
+    CONTEXT_OVERFLOW_SHARE, EXTRA_ROUNDS, GRAD_NORM_SPIKE, GROUPS_DROPPED, GROUPS_KEPT, GROUPS_MISSING, GROUPS_ROLLED,
+    NUM_STEP_GROUPS, PANEL_UNPLAYED, PANEL_UNPLAYED_TASKS, SINGLETON_SHARE, evaluation_name,
 )
 from gigpo_trl.metrics import (
     GRAD_NORM_SPIKE_WINDOW, SINGLETON_WARNING, SINGLETON_WARNING_SHARE, PanelEpisode, RolloutSummary, RolloutTimes,
     panel_metrics, panel_tasks, rollout_metrics, trailing_ratio,
 )
-from gigpo_trl.records import count_rollouts, episode_records, iteration_record, write_evaluation, write_records, write_update
+from gigpo_trl.records import (
+    checkpoint_step, episode_records, evaluation_record, iteration_record, open_records, write_evaluation,
+    write_records, write_update,
+)
 from gigpo_trl.report import ReportCallback
 from gigpo_trl.rollout import Rollout
 
@@ -41,10 +45,10 @@ class RunLogsMixin:
         """Start the logging state, add the run report's callback, and size TRL's completion logs for step samples."""
         args = self.args
         self._warned_singletons = False
+        self._warned_context_overflow = False
         self._grad_norms: deque[float] = deque(maxlen=GRAD_NORM_SPIKE_WINDOW)  # of the latest logged training steps
-        self._logged_entropies: list[float] = []  # the policy entropy of every logged training step
-        self._loop_alarm: LoopAlarm | None = None  # the last loop warning
-        self._rollouts_recorded = count_rollouts(args.output_dir)
+        self._health = TrainingHealth()  # the training-health rules over the logged training steps
+        self._rollouts_recorded: dict[str, int] | None = None  # per mode; None until the records are opened
         self._eval_episodes: list[PanelEpisode] = []  # this process's evaluation episodes since the last log
         self.add_callback(ReportCallback())
         # TRL keeps the completion logs of the latest rollout: one entry per trajectory there, up to
@@ -56,48 +60,79 @@ class RunLogsMixin:
             for key in self._logs
         }
 
+    def evaluate(self, eval_dataset: Any = None, ignore_keys: list[str] | None = None,
+                 metric_key_prefix: str = "eval") -> dict[str, float]:
+        """GRPOTrainer's evaluation, of a panel named by `metric_key_prefix` past "eval_" (TRL evaluates a dict of
+        eval datasets each under `eval_<name>`, and `gigpo_trl.evaluation.evaluate_panels` names its panels so): its
+        metrics are logged as `eval_<panel>_<name>` and its record (`last_evaluation`) carries the panel's name."""
+        self._panel = metric_key_prefix.removeprefix("eval").removeprefix("_") or None
+        return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
+
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """GRPOTrainer's log; an evaluation's episode metrics are first recomputed over its distinct tasks, those it
-        could not play left out and named (`eval_env/panel_unplayed_tasks`, a text, logged only when there are any); a
-        training step's log gets `grad_norm/spike`, is checked for a policy that loops, and is recorded."""
+        could not play left out and named (`eval_env/panel_unplayed_tasks`, a text, logged only when there are any), and
+        its record written (`last_evaluation`, its episodes `last_evaluation_episodes`); a training step's log gets `grad_norm/spike`, is checked for training
+        health, and is recorded."""
         training_step = self.model.training and "loss" in logs  # not the closing summary of `train()`
         if not self.model.training:
             episodes = gather_object(self._eval_episodes)
             self._eval_episodes = []
+            self.last_evaluation_episodes: list[PanelEpisode] = episodes
             metrics = panel_metrics(episodes)
             played, unplayed = panel_tasks(episodes)
             for name, value in metrics.items():
                 self._metrics["eval"][name] = [value]
+            panel = getattr(self, "_panel", None)
             if unplayed:
-                logs[evaluation_name(PANEL_UNPLAYED_TASKS)] = "; ".join(unplayed)
+                logs[evaluation_name(f"{panel}_{PANEL_UNPLAYED_TASKS}" if panel else PANEL_UNPLAYED_TASKS)] = "; ".join(unplayed)
                 if self.accelerator.is_main_process:
                     warnings.warn(_unplayed_message(played, unplayed), stacklevel=2)
+            if panel:  # TRL's log prefixes "eval_" to these: eval_<panel>_<name>, as transformers' own metrics
+                self._metrics["eval"] = defaultdict(list, {f"{panel}_{k}": v for k, v in self._metrics["eval"].items()})
+            self.last_evaluation = evaluation_record(
+                self.state.global_step, metrics, played, unplayed, panel=panel,
+                copies=self.num_generations_eval, greedy=self.args.eval_greedy)
             if self.accelerator.is_main_process and metrics:
-                write_evaluation(self.args.output_dir, self.state.global_step, metrics, played, unplayed)
-        elif training_step:
-            self._check_training_health(logs)
+                self._open_records(self.args.resume_from_checkpoint)
+                write_evaluation(self.args.output_dir, self.last_evaluation)
+        said = self._check_training_health(logs) if training_step else []
         super().log(logs, start_time)  # adds the averages of `_metrics` to `logs`
         if training_step and self.accelerator.is_main_process:
-            write_update(self.args.output_dir, self.state.global_step, logs)
+            self._open_records(self.args.resume_from_checkpoint)
+            write_update(self.args.output_dir, self.state.global_step, logs, said)
 
-    def _check_training_health(self, logs: dict[str, float]) -> None:
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):
+        """GRPOTrainer's training, in a run folder whose records are this run's (`_open_records`)."""
+        self._open_records(resume_from_checkpoint)
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def _open_records(self, resume_from_checkpoint: str | bool | None) -> None:
+        """Before the run's first record (main process): the records of OUTPUT_DIR/gigpo become this run's
+        (`gigpo_trl.records.open_records`): a run resuming from a checkpoint keeps those up to it, any other run sets
+        the records there aside; a warning says what was set aside. `train` opens them with its checkpoint; an
+        evaluation before training with `args.resume_from_checkpoint`."""
+        if self._rollouts_recorded is not None or not self.accelerator.is_main_process:
+            return
+        output_dir = self.args.output_dir
+        self._rollouts_recorded, message = open_records(output_dir, checkpoint_step(output_dir, resume_from_checkpoint))
+        if message:
+            warnings.warn(message, stacklevel=3)
+
+    def _check_training_health(self, logs: dict[str, float]) -> list[HealthWarning]:
         """RAGEN's early warnings on a training step's log: the gradient norm over the median of the last
-        GRAD_NORM_SPIKE_WINDOW logged before it (`grad_norm/spike`), and the loop warning (`loop_warning_due`: the
-        training rollouts' revisit share high while the entropy falls), once and again each time it worsens."""
+        GRAD_NORM_SPIKE_WINDOW logged before it (`grad_norm/spike`), and the training-health rules
+        (`gigpo_trl.health`: no learning signal, stuck in place, back and forth), each said once and again when it
+        worsens; returns the warnings said."""
         grad_norm = logs.get("grad_norm")
         if grad_norm is not None and math.isfinite(grad_norm):
             spike = trailing_ratio(grad_norm, self._grad_norms)
             if spike is not None:
                 logs[GRAD_NORM_SPIKE] = spike
             self._grad_norms.append(grad_norm)
-        entropy, revisit_share = (self._logged_mean(name) for name in ("entropy", REVISIT_SHARE))
-        if entropy is None:
-            return
-        self._logged_entropies.append(entropy)
-        if revisit_share is not None and loop_warning_due(revisit_share, self._logged_entropies, self._loop_alarm):
-            self._loop_alarm = LoopAlarm(revisit_share, entropy)
-            warnings.warn(LOOP_WARNING.format(revisit=revisit_share, entropy=entropy,
-                                              start_entropy=entropy_baseline(self._logged_entropies)), stacklevel=2)
+        said = self._health.check({name: self._logged_mean(name) for name in HEALTH_METRICS})
+        for warning in said:
+            warnings.warn(warning.message, stacklevel=3)
+        return said
 
     def _logged_mean(self, name: str) -> float | None:
         """The mean of a training metric's values since the last log (NaN left out, as GRPOTrainer's log does)."""
@@ -127,12 +162,17 @@ class RunLogsMixin:
                 and not self._warned_singletons:
             self._warned_singletons = True
             warnings.warn(SINGLETON_WARNING.format(share=singleton_share), stacklevel=2)
+        if metrics[CONTEXT_OVERFLOW_SHARE] and not self._warned_context_overflow:
+            self._warned_context_overflow = True
+            warnings.warn(_context_overflow_message(mode, metrics[CONTEXT_OVERFLOW_SHARE], self.prompt_token_limit,
+                                                    self.max_completion_length), stacklevel=2)
         return metrics
 
     def _write_records(self, mode: str, metrics: dict[str, float], rollout: Rollout, gigpo: GiGPOAdvantages) -> None:
         """The rollout's record and sample episodes for the run report (see `gigpo_trl.records`)."""
         parts = gather_object([(gigpo.step_group_sizes, gigpo.episode_advantages, gigpo.step_advantages)])
         if self.accelerator.is_main_process:
+            self._open_records(self.args.resume_from_checkpoint)
             record = iteration_record(self.state.global_step, mode, self._rollouts_recorded[mode], metrics, parts)
             self._rollouts_recorded[mode] += 1
             write_records(self.args.output_dir, record, episode_records(rollout, gigpo, self.args.log_trajectories))
@@ -163,3 +203,14 @@ def _unplayed_message(played: list[str], unplayed: dict[str, str]) -> str:
             f"over those {len(played)} (logged as {evaluation_name(PANEL_UNPLAYED)}, "
             f"{evaluation_name(PANEL_UNPLAYED_TASKS)}). Could not be played, after env_reset_attempts resets each: "
             f"{reasons}")
+
+
+def _context_overflow_message(mode: str, share: float, limit: int, max_completion_length: int) -> str:
+    """The warning of a rollout some of whose episodes ended because a prompt would not fit the model's context."""
+    return (f"{share:.0%} of the episodes of a {'training' if mode == 'train' else 'held-out'} rollout ended before a "
+            f"step because its prompt had more than {limit} tokens, what the model's context leaves a prompt once "
+            f"max_completion_length ({max_completion_length}) is kept for the answer: they count as truncated "
+            f"(logged as env/context_overflow_share; said once a run). What to change: show fewer past steps "
+            f"(history_length), a shorter prompt (prompt_template), fewer steps (max_env_steps), shorter answers "
+            f"(max_completion_length), or a model with a longer context (vllm_max_model_length under vLLM, if the "
+            f"model allows it).")

@@ -17,11 +17,13 @@ from trl import GRPOTrainer
 from gigpo_trl.advantages import GiGPOAdvantages, compute_gigpo_advantages
 from gigpo_trl.batch import loss_batch, rows_for_update
 from gigpo_trl.config import GiGPOConfig
-from gigpo_trl.dialogue import DUMMY_PROMPT, Completion, Dialogue, Messages, TextDialogue, Tools
+from gigpo_trl.dialogue import DUMMY_PROMPT, Completion, Dialogue, Messages, PromptTooLong, TextDialogue, Tools
 from gigpo_trl.dynamic_sampling import extra_task_rows, filter_by_return_std, sample_groups
 from gigpo_trl.env_pool import EnvPool
 from gigpo_trl.envs import TextEnv, env_factory
-from gigpo_trl.generation import completions_from_tokens, greedy_decoding, vllm_awake
+from gigpo_trl.generation import (
+    completions_from_tokens, greedy_decoding, over_long_prompts, prompt_token_limit, vllm_awake,
+)
 from gigpo_trl.loss import GiGPOLossMixin
 from gigpo_trl.metrics import PanelEpisode, RolloutTimes
 from gigpo_trl.models import resolve_model
@@ -154,6 +156,10 @@ class GiGPOTrainer(GiGPOLossMixin, RunLogsMixin, GRPOTrainer):
         )
         if self.use_vllm:  # TRL's sync of a LoRA model would move its base weights (W + dW - dW): merge out of place
             sync_lora_out_of_place(self.vllm_generation)
+        # A prompt longer than this ends its episode rather than reach the model (`_generate_turn`).
+        self.prompt_token_limit = prompt_token_limit(
+            getattr(self.model.config, "max_position_embeddings", None),
+            args.vllm_max_model_length if self.use_vllm else None, self.max_completion_length)
         self.environment_factory = environment_factory
         if environment_factory is None:
             self.env = env if env is not None else args.env_name
@@ -304,20 +310,27 @@ class GiGPOTrainer(GiGPOLossMixin, RunLogsMixin, GRPOTrainer):
             tasks = self._tasks(rows, pool.group_size, "train", round_)
         return self._play(pool, tasks, greedy=False)
 
-    def _generate_turn(self, prompts: list[Messages], tools: list[Tools | None]) -> list[Completion]:
+    def _generate_turn(self, prompts: list[Messages], tools: list[Tools | None]) -> list[Completion | PromptTooLong]:
         """One batched generation over the prompts of one turn (each rendered with the tools it offers, if any),
-        through TRL's generation backends."""
+        through TRL's generation backends. A prompt of more than `prompt_token_limit` tokens is not generated from
+        (`PromptTooLong`; the dummy prompt takes its place in the call, which keeps every process's call alike)."""
         if any(tools):
             prompt_ids = [self.processing_class.apply_chat_template(
                 prompt, tools=prompt_tools or None, add_generation_prompt=True, tokenize=True, return_dict=True,
                 **self.chat_template_kwargs)["input_ids"] for prompt, prompt_tools in zip(prompts, tools)]
         else:
             prompt_ids, _, _ = self._tokenize_prompts(prompts)
+        too_long = over_long_prompts(prompt_ids, self.prompt_token_limit)
+        if too_long:
+            dummy = self._tokenize_prompts([DUMMY_PROMPT])[0][0]
+            prompt_ids = [dummy if k in too_long else ids for k, ids in enumerate(prompt_ids)]
         completion_ids, logprobs = self._generate_single_turn(prompt_ids, None, {}, 1)
-        return completions_from_tokens(
+        completions = completions_from_tokens(
             prompt_ids, completion_ids, logprobs, eos_token_id=self.eos_token_ids[0],
             decode=lambda ids: self._tokenizer.decode(ids, skip_special_tokens=True),
         )
+        return [PromptTooLong(too_long[k], self.prompt_token_limit) if k in too_long else completion
+                for k, completion in enumerate(completions)]
 
     def _dummy_completion(self) -> Completion:
         """A stand-in sample (zero loss weight) for a process without a sample for the update: its environments all

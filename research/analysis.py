@@ -121,6 +121,9 @@ def rollout_diagnostics(trajectories: dict[str, list[dict]], settings: dict) -> 
 
 
 DIAGNOSTIC_COLUMNS = ("success_treasure_west", "success_treasure_east")
+# The loop metrics (loops/*) a row holds; reversal_share is in records of before 2026-11-27 only.
+LOOP_COLUMNS = ("revisit_share", "stay_share", "turn_back_share", "reversal_share", "cycle_end_share",
+                "distinct_states_mean")
 
 
 def curves(runs: dict[tuple[str, int], Path], hint_steps: dict[tuple[str, int], list],
@@ -162,9 +165,9 @@ def curves(runs: dict[tuple[str, int], Path], hint_steps: dict[tuple[str, int], 
                 "nonzero_advantage_share": metrics.get("gigpo/nonzero_advantage_share", float("nan")),
                 "two_step_loop_share": loops.get(f"{record['mode']}-{record['rollout']:05d}", float("nan")),
                 # Exact, from the anchors of every episode (docs/metrics.md "Loops"); absent where the anchors are not
-                # states, and in records written before they were logged.
-                **{name: metrics.get(f"loops/{name}", float("nan"))
-                   for name in ("revisit_share", "reversal_share", "cycle_end_share", "distinct_states_mean")},
+                # states, and in records written before they were logged (reversal_share: in those written before
+                # stay_share and turn_back_share replaced it).
+                **{name: metrics.get(f"loops/{name}", float("nan")) for name in LOOP_COLUMNS},
                 "group_return_std": metrics.get("env/group_return_std", float("nan")),
                 **diagnostics.get((record["mode"], record["rollout"]), missing),
             })
@@ -194,9 +197,13 @@ def plot(rows: list[dict], path: Path) -> None:
     if not all(np.isnan(row["draught_following"]) for row in rows):  # rooms: what the policy learned
         panels[2] = ("train", "draught_following", "Steps that follow the draught (rooms)")
     if not all(np.isnan(row["revisit_share"]) for row in rows):  # the loop metrics (loops/*)
-        panels += [("train", "revisit_share", "Steps into a state visited before (revisits)"),
-                   ("train", "reversal_share", "Steps back to the state of two states before"),
-                   ("train", "distinct_states_mean", "Distinct states per episode")]
+        panels.append(("train", "revisit_share", "Steps into a state visited before (revisits)"))
+        if all(np.isnan(row["turn_back_share"]) for row in rows):  # records of before 2026-11-27
+            panels.append(("train", "reversal_share", "Steps back to the state of two states before"))
+        else:
+            panels += [("train", "stay_share", "Steps that stay in their state"),
+                       ("train", "turn_back_share", "Steps straight back to the state they came from")]
+        panels.append(("train", "distinct_states_mean", "Distinct states per episode"))
     if not all(np.isnan(row["success_treasure_west"]) for row in rows):  # rooms without the hint: one side or both?
         panels[2] = ("train", "success_treasure_west", "Training rollouts: success, treasure west")
         panels.append(("train", "success_treasure_east", "Training rollouts: success, treasure east"))
@@ -287,8 +294,8 @@ def summary(rows: list[dict], seeds: list[int], arms: Sequence[str], panels: Pan
         }
         last = max(r["step"] for r in mine)
         for field in ("success_rate", "draught_following", "entropy", "singleton_share", "step_group_size_mean",
-                      "equal_return_groups", "nonzero_advantage_share", "two_step_loop_share", "revisit_share",
-                      "reversal_share", "cycle_end_share", "distinct_states_mean", *DIAGNOSTIC_COLUMNS):
+                      "equal_return_groups", "nonzero_advantage_share", "two_step_loop_share", *LOOP_COLUMNS,
+                      *DIAGNOSTIC_COLUMNS):
             if not all(np.isnan(r.get(field, np.nan)) for r in mine):
                 result.setdefault(f"{field}_first_last_20", {})[method] = {
                     "first_20_iterations": float(np.nanmean([r.get(field, np.nan) for r in mine if r["step"] < 20])),

@@ -56,7 +56,7 @@ def main(options: argparse.Namespace) -> None:
         output_dir=options.output_dir, env_name=options.env_name, num_generations=2, steps_per_generation=1,
         gradient_accumulation_steps=1, per_device_train_batch_size=TRAJECTORIES // _world_size(),
         max_steps=2, max_env_steps=15, max_completion_length=8, learning_rate=1e-3, logging_steps=1,
-        report_to=[], gradient_checkpointing=False, shuffle_dataset=False, seed=0, per_device_eval_batch_size=4,
+        report_to=[], activation_checkpointing=False, shuffle_dataset=False, seed=0, per_device_eval_batch_size=4,
         bf16=False, beta=options.beta, entropy_coef=options.entropy_coef,
         max_step_samples_per_micro_batch=options.max_step_samples, **sampling,
         **({"save_strategy": "steps", "save_steps": options.save_steps} if options.save_steps else {"save_strategy": "no"}),

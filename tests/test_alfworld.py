@@ -234,7 +234,7 @@ def test_training_groups_the_steps_of_the_copies_that_reach_the_same_state(tmp_p
     config = GiGPOConfig(
         output_dir=str(tmp_path), env_name="alfworld", env_kwargs={"data_dir": str(DATA)}, per_device_train_batch_size=4,
         num_generations=4, steps_per_generation=1, gradient_accumulation_steps=1, max_steps=1, max_completion_length=2,
-        max_env_steps=6, logging_steps=1, report_to=[], gradient_checkpointing=False, save_strategy="no",
+        max_env_steps=6, logging_steps=1, report_to=[], activation_checkpointing=False, save_strategy="no",
         disable_tqdm=True, seed=0,
     )
     trainer = ScriptedTrainer(tiny_model_path, args=config, train_dataset=task_dataset([APPLE_IN_FRIDGE]))

@@ -1,19 +1,32 @@
-"""Held-out evaluation: success on held-out seeds, a panel that stays fixed when an environment fails to start, and
-the evaluation loss in passes of bounded size."""
+"""Held-out evaluation: success on held-out seeds, a panel that stays fixed when an environment fails to start, the
+evaluation loss in passes of bounded size, and the evaluation command (recipes/evaluate.py): a saved checkpoint or
+adapter plays panels greedily and sampled, with pass@k."""
 
 from __future__ import annotations
+
+import importlib.util
+import itertools
+import json
+import re
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from peft import LoraConfig
 from scripted_policy import ScriptedTrainer
 from toy_envs import FailsToStart
 from trainer_helpers import cpu_config, settings_config
 
+from gigpo_trl.envs import fold_seeds
+from gigpo_trl.metrics import PanelEpisode, panel_metrics
 from gigpo_trl.recipe import train_and_report
 from gigpo_trl.records import read_evaluations
 from gigpo_trl.tasks import task_dataset
 from gigpo_trl.trainer import GiGPOTrainer
+
+RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -142,3 +155,120 @@ def test_the_panel_after_training_is_the_last_periodic_evaluation_when_the_run_m
     assert [record["step"] for record in records] == [0, 1, 2]  # before, then after each update: step 2 played once
     assert outcome.before["eval_env/success_rate"] == records[0]["metrics"]["env/success_rate"]
     assert outcome.after["eval_env/success_rate"] == records[-1]["metrics"]["env/success_rate"]
+
+
+# ------------------------------------------------------------------------------------------
+# Evaluation as its own command: recipes/evaluate.py (gigpo_trl.evaluation).
+# ------------------------------------------------------------------------------------------
+
+def evaluate_command(arguments: list[str]) -> list[dict]:
+    """recipes/evaluate.py, parsed and run as from its command line, in this process (where the corridor is
+    registered)."""
+    spec = importlib.util.spec_from_file_location("evaluate_recipe", RECIPES / "evaluate.py")
+    module = sys.modules.setdefault("evaluate_recipe", importlib.util.module_from_spec(spec))  # dataclasses look it up
+    spec.loader.exec_module(module)
+    return module.main(*module.parse(arguments))
+
+
+def trained_checkpoint(tmp_path, tiny_model_path, peft_config=None) -> Path:
+    """The folder a short real training run (one update of the tiny model on corridors) saves."""
+    config = cpu_config(tmp_path / "run", env_name="corridor", max_steps=1)
+    trainer = GiGPOTrainer(tiny_model_path, args=config, train_dataset=task_dataset(range(4)), peft_config=peft_config)
+    trainer.train()
+    trainer.save_model(tmp_path / "run")
+    trainer.close_environments()
+    return tmp_path / "run"
+
+
+def command_line(model: Path | str, output_dir: Path, *more: str) -> list[str]:
+    return ["--model_name_or_path", str(model), "--output_dir", str(output_dir), "--env_name", "corridor",
+            "--max_env_steps", "3", "--max_completion_length", "6", "--num_generations", "2",
+            "--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "2", "--num_generations_eval", "1",
+            "--temperature", "1.5", "--report_to", "none", "--bf16", "false", *more]
+
+
+def hand_pass_at_k(outcomes: list[bool], k: int) -> float:
+    """The share of the k-subsets of a task's copies that hold a win, counted."""
+    subsets = list(itertools.combinations(outcomes, k))
+    return sum(any(subset) for subset in subsets) / len(subsets)
+
+
+def test_pass_at_k_is_the_share_of_k_subsets_of_the_samples_that_hold_a_win_averaged_over_tasks():
+    wins = {"seed 1": [True, False, False, True, False], "seed 2": [False] * 5, "seed 3": [True] * 5,
+            "seed 4": [False, False, False, False, True]}
+    episodes = [PanelEpisode(task, copy, "corridor-4", won, float(won), 3)
+                for task, outcomes in wins.items() for copy, won in enumerate(outcomes)]
+
+    metrics = panel_metrics(episodes, pass_ks=[1, 2, 3, 5])
+
+    for k in (1, 2, 3, 5):
+        expected = np.mean([hand_pass_at_k(outcomes, k) for outcomes in wins.values()])
+        assert metrics[f"env/pass@{k}"] == pytest.approx(expected)
+        assert metrics[f"env/pass@{k}/corridor-4"] == pytest.approx(expected)
+    assert metrics["env/pass@2"] == pytest.approx((0.7 + 0 + 1 + 0.4) / 4)  # e.g. seed 1: 7 of the 10 pairs
+    assert panel_metrics(episodes)["env/pass@4"] == pytest.approx(np.mean([hand_pass_at_k(o, 4) for o in wins.values()]))
+    with pytest.raises(ValueError, match="k <= copies"):
+        panel_metrics(episodes, pass_ks=[6])
+
+
+@pytest.mark.timeout(900)  # a training run and four evaluations
+def test_the_command_evaluates_a_checkpoint_saved_by_training_on_two_panels_greedily_and_sampled(
+        tmp_path, tiny_model_path, capsys):
+    checkpoint = trained_checkpoint(tmp_path, tiny_model_path)
+
+    records = evaluate_command(command_line(checkpoint, tmp_path / "evaluation", "--panels", "dev", "test:corridor-4",
+                                            "--num_tasks", "2", "--samples", "3", "--pass_at", "1", "3"))
+
+    assert [(r["panel"], r["decoding"], r["copies"]) for r in records] == [
+        ("dev", "greedy", 1), ("dev", "sampled", 3), ("test:corridor-4", "greedy", 1), ("test:corridor-4", "sampled", 3)]
+    dev_seeds = fold_seeds("corridor", "dev", 2)
+    assert records[0]["tasks"] == sorted(f"seed {seed}" for seed in dev_seeds)
+    test_seeds = [seed for seed in fold_seeds("corridor", "test", 2) if 3 + seed % 4 == 4]  # the corridors of 4 cells
+    assert records[2]["tasks"] == sorted(f"seed {seed}" for seed in test_seeds) and test_seeds
+    episodes = [json.loads(line) for line in (tmp_path / "evaluation" / "episodes.jsonl").read_text().splitlines()]
+    assert len(episodes) == 2 * 1 + 2 * 3 + len(test_seeds) * (1 + 3)
+    for record in records:
+        played = [e for e in episodes if (e["panel"], e["decoding"]) == (record["panel"], record["decoding"])]
+        metrics = record["metrics"]
+        assert metrics["env/success_rate"] == pytest.approx(np.mean([e["won"] for e in played]))
+        assert metrics["env/return_mean"] == pytest.approx(np.mean([e["return"] for e in played]))
+        assert "loops/revisit_share" in metrics
+        if record["decoding"] == "sampled":
+            outcomes = {task: [e["won"] for e in played if e["task"] == task] for task in record["tasks"]}
+            assert {len(o) for o in outcomes.values()} == {3}
+            for k in (1, 3):
+                assert metrics[f"env/pass@{k}"] == pytest.approx(np.mean([hand_pass_at_k(o, k) for o in outcomes.values()]))
+    report = json.loads((tmp_path / "evaluation" / "evaluation.json").read_text())
+    assert report["model"] == str(checkpoint) and report["evaluations"] == records
+    printed = capsys.readouterr().out
+    assert f"dev (sampled, 2 tasks x 3): success {records[1]['metrics']['env/success_rate']:.1%}, pass@1" in printed
+    assert [r["panel"] for r in read_evaluations(tmp_path / "evaluation")] == [r["panel"] for r in records]
+
+
+@pytest.mark.timeout(600)
+def test_the_command_evaluates_a_lora_adapter_on_its_base_model(tmp_path, tiny_model_path):
+    checkpoint = trained_checkpoint(tmp_path, tiny_model_path, LoraConfig(r=4, target_modules="all-linear",
+                                                                         task_type="CAUSAL_LM"))
+    assert (checkpoint / "adapter_config.json").is_file() and not (checkpoint / "model.safetensors").exists()
+
+    [record] = evaluate_command(command_line(checkpoint, tmp_path / "evaluation", "--num_tasks", "2"))
+
+    assert record["panel"] == "dev" and record["metrics"]["env/panel_tasks"] == 2
+
+
+@pytest.mark.parametrize(("more", "error", "message"), [
+    (["--panels", "validation"], ValueError, "unknown fold 'validation', the folds are train, dev, test"),
+    (["--samples", "4", "--pass_at", "8"], ValueError, "pass_at 8 needs 1 <= k <= samples = 4"),
+    (["--greedy", "false"], ValueError, "nothing to play"),
+])
+def test_the_command_refuses_a_panel_or_pass_at_k_it_cannot_play(tmp_path, more, error, message):
+    with pytest.raises(error, match=re.escape(message)):
+        evaluate_command(command_line("embedded:SmolLM2-135M-Instruct", tmp_path, *more))
+
+
+def test_the_command_says_when_the_checkpoint_folder_is_missing_or_holds_no_model(tmp_path):
+    with pytest.raises(FileNotFoundError, match=re.escape(f"model '{tmp_path}/checkpoint-5': no such folder")):
+        evaluate_command(command_line(tmp_path / "checkpoint-5", tmp_path / "evaluation"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="holds neither a model .config.json. nor a PEFT adapter"):
+        evaluate_command(command_line(tmp_path / "empty", tmp_path / "evaluation"))

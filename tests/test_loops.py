@@ -1,34 +1,30 @@
-"""Loop diagnostics (`gigpo_trl.loops`): revisits, immediate reversals, endings in a cycle and distinct states, from
-the anchors, for scripted policies that oscillate, explore, or loop only after a while; on their own, through a real
-rollout of a real environment, and through the trainer (metrics, evaluation panel, records, report, warning)."""
+"""Loop diagnostics (`gigpo_trl.loops`): revisits, stays, turn-backs, endings in a cycle and distinct states, from
+the anchors, for scripted policies that oscillate, explore, walk into a wall, or loop only after a while; on their
+own, through a real rollout of a real environment, and through the trainer (metrics, evaluation panel, records,
+report). The warnings that read them are tested in tests/test_health.py."""
 
 from __future__ import annotations
 
 import random
 import re
-import warnings
 
 import pytest
 import torch
 from scripted_policy import ScriptedToolTrainer, ScriptedTrainer
 from toy_envs import Corridor
 from toy_tool_envs import IncrementEnv
-from trainer_helpers import cpu_config
+from trainer_helpers import cpu_config, logged_metrics
 
-from gigpo_trl.advantages import compute_gigpo_advantages
 from gigpo_trl.dialogue import Completion
 from gigpo_trl.env_checker import EnvCheckError, check_env
 from gigpo_trl.env_pool import EnvPool
 from gigpo_trl.environments.rooms import RoomsEnv
-from gigpo_trl.loops import (
-    LOOP_REVISIT_SHARE, EpisodeLoops, LoopAlarm, LoopCounts, episode_loops, loop_warning_due,
-)
-from gigpo_trl.metrics import PanelEpisode, RolloutSummary, RolloutTimes, panel_metrics, rollout_metrics, trailing_ratio
+from gigpo_trl.loops import EpisodeLoops, LoopCounts, episode_loops
+from gigpo_trl.metrics import PanelEpisode, panel_metrics, trailing_ratio
 from gigpo_trl.records import read_evaluations, read_iterations, read_trajectories, read_updates
 from gigpo_trl.report import write_report
 from gigpo_trl.rollout import collect_rollout
 from gigpo_trl.tasks import Task, task_dataset
-from gigpo_trl.trainer import GiGPOTrainer
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -37,21 +33,36 @@ pytestmark = pytest.mark.timeout(300)
 # ------------------------------------------------------------------------------------------
 
 
-def test_an_oscillating_walk_revisits_every_step_but_the_first_reverses_every_time_and_ends_in_a_cycle():
+def test_an_oscillating_walk_revisits_every_step_but_the_first_turns_back_every_time_and_ends_in_a_cycle():
     loops = episode_loops(["a", "b", "a", "b", "a", "b", "a"], terminated=False)
 
     assert loops == EpisodeLoops(next_state=(1, 0, 1, 0, 1, 0), revisit=(False, True, True, True, True, True),
-                                 reversal=(None, True, True, True, True, True), ends_in_cycle=True, distinct_states=2)
-    assert LoopCounts.of([loops]).as_metrics() == {"loops/revisit_share": 5 / 6, "loops/reversal_share": 1.0,
-                                                   "loops/cycle_end_share": 1.0, "loops/distinct_states_mean": 2.0}
+                                 stay=(False,) * 6, turn_back=(None, True, True, True, True, True), ends_in_cycle=True,
+                                 distinct_states=2)
+    assert LoopCounts.of([loops]).as_metrics() == {
+        "loops/revisit_share": 5 / 6, "loops/stay_share": 0.0, "loops/turn_back_share": 1.0,
+        "loops/cycle_end_share": 1.0, "loops/distinct_states_mean": 2.0}
+
+
+def test_a_walk_into_a_wall_stays_at_every_bump_and_never_turns_back():
+    """One way along a corridor of 3 rooms, then into its wall for the rest of the episode (setting F's collapse):
+    the bumps stay, and none of them is a turn-back."""
+    loops = episode_loops([0, 1, 2, 2, 2, 2], terminated=False)
+
+    assert loops.stay == (False, False, True, True, True) and loops.turn_back == (None, False, False, False, False)
+    assert loops.revisit == (False, False, True, True, True) and loops.ends_in_cycle
+    assert LoopCounts.of([loops]).as_metrics() == {
+        "loops/revisit_share": 3 / 5, "loops/stay_share": 3 / 5, "loops/turn_back_share": 0.0,
+        "loops/cycle_end_share": 1.0, "loops/distinct_states_mean": 3.0}
 
 
 def test_an_exploring_walk_never_revisits_and_does_not_end_in_a_cycle():
     loops = episode_loops([0, 1, 2, 3, 4], terminated=False)
 
-    assert loops.revisit == (False,) * 4 and loops.reversal == (None, False, False, False)
-    assert LoopCounts.of([loops]).as_metrics() == {"loops/revisit_share": 0.0, "loops/reversal_share": 0.0,
-                                                   "loops/cycle_end_share": 0.0, "loops/distinct_states_mean": 5.0}
+    assert loops.revisit == (False,) * 4 and loops.stay == (False,) * 4 and loops.turn_back == (None, False, False, False)
+    assert LoopCounts.of([loops]).as_metrics() == {
+        "loops/revisit_share": 0.0, "loops/stay_share": 0.0, "loops/turn_back_share": 0.0,
+        "loops/cycle_end_share": 0.0, "loops/distinct_states_mean": 5.0}
 
 
 def test_a_walk_that_loops_only_after_a_while_counts_the_loop_from_where_it_starts():
@@ -59,20 +70,24 @@ def test_a_walk_that_loops_only_after_a_while_counts_the_loop_from_where_it_star
 
     assert loops.next_state == (1, 2, 3, 2, 3, 2)
     assert loops.revisit == (False, False, False, True, True, True)
-    assert loops.reversal == (None, False, False, True, True, True)
+    assert loops.turn_back == (None, False, False, True, True, True) and loops.stay == (False,) * 6
     assert (loops.ends_in_cycle, loops.distinct_states) == (True, 4)
 
 
-def test_staying_in_place_is_a_revisit_and_going_back_further_is_no_immediate_reversal():
-    assert episode_loops(["x", "x", "x"], terminated=False).revisit == (True, True)
-    assert episode_loops(["x", "x", "x"], terminated=False).reversal == (None, True)  # s_2 == s_0, held over two steps
+def test_staying_in_place_is_a_revisit_and_a_stay_never_a_turn_back_and_going_back_further_is_no_turn_back():
+    held = episode_loops(["x", "x", "x"], terminated=False)
+    assert held.revisit == (True, True) and held.stay == (True, True)
+    assert held.turn_back == (None, False)  # s_2 == s_0, but the state never changed: no turn-back
     around = episode_loops(["a", "b", "c", "a"], terminated=False)  # a 3-cycle: back to the start, not to s_1
-    assert around.revisit == (False, False, True) and around.reversal == (None, False, False) and around.ends_in_cycle
+    assert around.revisit == (False, False, True) and around.turn_back == (None, False, False) and around.ends_in_cycle
+    assert around.stay == (False, False, False)
+    after_a_stay = episode_loops(["a", "b", "b", "a"], terminated=False)  # back to s_1's predecessor only after a stay
+    assert after_a_stay.stay == (False, True, False) and after_a_stay.turn_back == (None, False, False)
 
 
 def test_a_terminating_last_step_is_not_counted_and_a_won_episode_does_not_end_in_a_cycle():
     won = episode_loops([0, 1, 0, 1], terminated=True)  # a win reached from a state visited before
-    assert won.revisit == (False, True, None) and won.reversal == (None, True, None)
+    assert won.revisit == (False, True, None) and won.turn_back == (None, True, None) and won.stay == (False, False, None)
     assert won.ends_in_cycle is False and won.distinct_states == 2
     # A tool environment's final answer, without a tool call, leaves the state as it was: that is no loop.
     answered = episode_loops(["start", "counter 1", "counter 1"], terminated=True)
@@ -81,32 +96,22 @@ def test_a_terminating_last_step_is_not_counted_and_a_won_episode_does_not_end_i
 
 def test_the_state_after_a_failed_step_is_unknown_and_left_out():
     failed = episode_loops([0, 1, 0, "whatever the pool returned"], terminated=False, failed=True)
-    assert failed == EpisodeLoops(next_state=(1, 0, None), revisit=(False, True, None), reversal=(None, True, None),
-                                  ends_in_cycle=None, distinct_states=None)
+    assert failed == EpisodeLoops(next_state=(1, 0, None), revisit=(False, True, None), stay=(False, False, None),
+                                  turn_back=(None, True, None), ends_in_cycle=None, distinct_states=None)
     at_reset = episode_loops(["whatever the pool returned"], terminated=False, failed=True)
-    assert LoopCounts.of([failed, at_reset]).as_metrics() == {"loops/revisit_share": 0.5, "loops/reversal_share": 1.0}
+    assert LoopCounts.of([failed, at_reset]).as_metrics() == {
+        "loops/revisit_share": 0.5, "loops/stay_share": 0.0, "loops/turn_back_share": 1.0}
 
 
 def test_counts_pool_the_episodes_add_up_over_processes_and_leave_out_what_has_nothing_to_count():
     episodes = [episode_loops(walk, terminated=False) for walk in (["a", "b", "a"], [0, 1, 2, 3], ["s", "s"])]
     whole = LoopCounts.of(episodes)
     assert whole == LoopCounts.combine([LoopCounts.of(episodes[:1]), LoopCounts.of(episodes[1:])])
-    assert whole.as_metrics() == {"loops/revisit_share": 2 / 6, "loops/reversal_share": 1 / 3,
-                                  "loops/cycle_end_share": 2 / 3, "loops/distinct_states_mean": 7 / 3}
+    assert whole.as_metrics() == {"loops/revisit_share": 2 / 6, "loops/stay_share": 1 / 6,
+                                  "loops/turn_back_share": 1 / 3, "loops/cycle_end_share": 2 / 3,
+                                  "loops/distinct_states_mean": 7 / 3}
     one_step_win = LoopCounts.of([episode_loops([0, 1], terminated=True)])
     assert one_step_win.as_metrics() == {"loops/cycle_end_share": 0.0, "loops/distinct_states_mean": 2.0}
-
-
-def test_the_loop_warning_comes_when_revisits_are_high_while_entropy_falls_and_again_when_it_worsens():
-    start = [1.0, 1.1, 0.9]  # the baseline: their mean, 1.0
-    assert not loop_warning_due(0.95, start, None)  # not before the baseline is known
-    assert not loop_warning_due(0.95, [*start, 0.9], None)  # looping, but the entropy stays: a random walk revisits too
-    assert not loop_warning_due(0.5, [*start, 0.1], None)  # the entropy fell, but the policy does not loop
-    assert loop_warning_due(LOOP_REVISIT_SHARE, [*start, 0.5], None)
-    last = LoopAlarm(revisit_share=0.85, entropy=0.4)
-    assert not loop_warning_due(0.9, [*start, 0.4, 0.3], last)  # no worse than when it was said
-    assert loop_warning_due(0.96, [*start, 0.4, 0.4], last)  # the revisit share up by more than 0.1
-    assert loop_warning_due(0.85, [*start, 0.4, 0.2], last)  # the entropy halved again
 
 
 def test_the_gradient_norm_spike_ratio_is_over_the_median_of_those_before():
@@ -154,20 +159,12 @@ def played(rule, length: int = 6, max_env_steps: int = 6):
     return rollout, logged_metrics(rollout)
 
 
-def logged_metrics(rollout) -> dict[str, float]:
-    """The metrics the trainer logs of a rollout (one process)."""
-    steps = rollout.steps
-    gigpo = compute_gigpo_advantages(steps.reward, steps.group, steps.trajectory, steps.step, steps.anchor)
-    summary = RolloutSummary.of(rollout, gigpo, RolloutTimes(1.0, 0.5, 0.5, 0.0), max_completion_length=8,
-                                end_token_ids={4}, update_samples=range(len(steps)))
-    return rollout_metrics([summary])
-
-
 def test_a_rollout_of_an_oscillating_policy_logs_its_loops():
     rollout, metrics = played(oscillate)
 
     assert [e.final_anchor for e in rollout.episodes] == [(6, 0), (6, 0)]  # s_6: cut off back in cell 0
-    assert metrics["loops/revisit_share"] == 5 / 6 and metrics["loops/reversal_share"] == 1.0
+    assert metrics["loops/revisit_share"] == 5 / 6 and metrics["loops/turn_back_share"] == 1.0
+    assert metrics["loops/stay_share"] == 0.0
     assert metrics["loops/cycle_end_share"] == 1.0 and metrics["loops/distinct_states_mean"] == 2.0
 
 
@@ -175,14 +172,15 @@ def test_a_rollout_of_an_exploring_policy_logs_no_revisit():
     rollout, metrics = played(explore)
 
     assert all(e.won and not e.truncated for e in rollout.episodes) and rollout.episodes[0].final_anchor == (6, 5)
-    assert metrics["loops/revisit_share"] == 0.0 and metrics["loops/reversal_share"] == 0.0
+    assert metrics["loops/revisit_share"] == 0.0 and metrics["loops/turn_back_share"] == 0.0
+    assert metrics["loops/stay_share"] == 0.0
     assert metrics["loops/cycle_end_share"] == 0.0 and metrics["loops/distinct_states_mean"] == 6.0
 
 
 def test_a_rollout_of_a_policy_that_loops_after_a_while():
     _, metrics = played(loop_after_three_steps)  # cells 0 1 2 3 2 3 2
 
-    assert metrics["loops/revisit_share"] == 3 / 6 and metrics["loops/reversal_share"] == 3 / 5
+    assert metrics["loops/revisit_share"] == 3 / 6 and metrics["loops/turn_back_share"] == 3 / 5
     assert metrics["loops/cycle_end_share"] == 1.0 and metrics["loops/distinct_states_mean"] == 4.0
 
 
@@ -205,10 +203,13 @@ def test_the_in_group_return_std_is_the_mean_over_task_groups_of_each_group_s_sp
     assert "env/group_return_std" not in logged_metrics(single)
 
 
-@pytest.mark.parametrize(("idle_actions", "low", "high"), [(0, 0.55, 0.7), (2, 0.7, LOOP_REVISIT_SHARE)])
-def test_a_uniformly_random_walk_on_the_rooms_revisits_often_but_below_the_warning_s_threshold(idle_actions, low, high):
-    """128 episodes of 12 steps on 9 rooms: about 0.63 of the steps revisit with the two moves, 0.76 with two idle
-    actions too (docs/metrics.md quotes these): high, but the entropy tells such a walk from a loop."""
+@pytest.mark.parametrize(("idle_actions", "revisits", "stays", "turn_backs"),
+                         [(0, (0.6, 0.67), (0.0, 0.05), (0.43, 0.5)), (2, (0.72, 0.79), (0.48, 0.55), (0.1, 0.14))])
+def test_a_uniformly_random_walk_on_the_rooms_revisits_often_stays_where_it_can_and_turns_back_half_the_time(
+        idle_actions, revisits, stays, turn_backs):
+    """128 episodes of 12 steps on 9 rooms (docs/metrics.md quotes these): with the two moves, 0.63 of the steps
+    revisit, 0.03 stay (at the walls), 0.46 turn back; with two idle actions too, 0.76 revisit, 0.51 stay and 0.12 turn
+    back. Shares as high as a collapsed policy's: the entropy tells such a walk from a collapse (gigpo_trl.health)."""
     rng = random.Random(0)
     actions = ["go west", "go east", "wait", "look around"][: 2 + idle_actions]
 
@@ -219,9 +220,11 @@ def test_a_uniformly_random_walk_on_the_rooms_revisits_often_but_below_the_warni
                  processes=False) as pool:
         rollout = collect_rollout(pool, [Task(seed) for seed in range(32)], uniform, max_env_steps=12,
                                   show_progress=False)
-    counts = LoopCounts.of(figures for figures in rollout.loops())
+    metrics = LoopCounts.of(figures for figures in rollout.loops()).as_metrics()
 
-    assert low < counts.revisits / counts.steps < high
+    assert revisits[0] < metrics["loops/revisit_share"] < revisits[1]
+    assert stays[0] < metrics["loops/stay_share"] < stays[1]
+    assert turn_backs[0] < metrics["loops/turn_back_share"] < turn_backs[1]
 
 
 class HistoryCorridor(Corridor):
@@ -302,9 +305,10 @@ def test_training_and_evaluation_log_record_and_report_the_loops_of_an_oscillati
     evaluation = trainer.evaluate()
     trainer.close_environments()
 
-    # Cells 0 1 0 1 0 1 in 5 steps, cut off: 4 of 5 steps revisit, each after the first reverses, all end in a cycle.
-    expected = {"loops/revisit_share": 0.8, "loops/reversal_share": 1.0, "loops/cycle_end_share": 1.0,
-                "loops/distinct_states_mean": 2.0}
+    # Cells 0 1 0 1 0 1 in 5 steps, cut off: 4 of 5 steps revisit, each after the first turns back, none stays, all
+    # end in a cycle.
+    expected = {"loops/revisit_share": 0.8, "loops/stay_share": 0.0, "loops/turn_back_share": 1.0,
+                "loops/cycle_end_share": 1.0, "loops/distinct_states_mean": 2.0}
     logged = [entry for entry in trainer.state.log_history if "env/step_samples" in entry]
     assert len(logged) == 2 and all(entry[name] == pytest.approx(value) for entry in logged
                                     for name, value in expected.items())
@@ -314,11 +318,12 @@ def test_training_and_evaluation_log_record_and_report_the_loops_of_an_oscillati
                for name, value in expected.items())
     # The viewer's records: the state after each step, marked where it goes back.
     episode = read_trajectories(tmp_path)["train-00000"][0]
-    assert [(s["next_state"], s["revisit"], s["reversal"]) for s in episode["steps"]] == [
-        (1, False, None), (0, True, True), (1, True, True), (0, True, True), (1, True, True)]
+    assert [(s["next_state"], s["revisit"], s["stay"], s["turn_back"]) for s in episode["steps"]] == [
+        (1, False, False, None), (0, True, False, True), (1, True, False, True), (0, True, False, True),
+        (1, True, False, True)]
     assert (episode["ends_in_cycle"], episode["distinct_states"]) == (True, 2)
     page = (write_report(tmp_path) / "index.html").read_text()
-    assert "<td>#0 reversal</td>" in page and "2 distinct states" in page and "not won, truncated, ends in a cycle" in page
+    assert "<td>#0 turn back</td>" in page and "2 distinct states" in page and "not won, truncated, ends in a cycle" in page
     assert '<img src="loops.png"' in page and '<img src="health.png"' in page
     assert "<td><code>loops/revisit_share</code></td><td>0.8</td><td>0.8</td></tr>" in page  # training, evaluation
     assert all(entry["env/group_return_std"] == 0.0 for entry in logged)  # the copies play alike: no signal
@@ -342,34 +347,6 @@ def test_every_logged_training_step_is_recorded_with_its_entropy_gradient_norm_a
     before = sorted([steps[0]["grad_norm"], steps[1]["grad_norm"]])
     assert updates[2]["metrics"]["grad_norm/spike"] == steps[2]["grad_norm/spike"] == pytest.approx(
         steps[2]["grad_norm"] / ((before[0] + before[1]) / 2))
-
-
-def test_the_loop_warning_is_given_once_and_again_when_the_loop_worsens_naming_what_to_change(tmp_path,
-                                                                                             tiny_model_path):
-    trainer = GiGPOTrainer(tiny_model_path, args=cpu_config(tmp_path, env_name="corridor"),
-                           train_dataset=task_dataset(range(4)))
-    trainer.model.train()
-
-    def log_step(entropy: float, revisit_share: float) -> list[str]:
-        trainer._metrics["train"]["entropy"].append(entropy)
-        trainer._metrics["train"]["loops/revisit_share"].append(revisit_share)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            trainer.log({"loss": 0.0, "grad_norm": 1.0})
-        return [str(w.message) for w in caught if "walks in loops" in str(w.message)]
-
-    said = [log_step(entropy, revisit) for entropy, revisit in
-            [(1.0, 0.9), (1.0, 0.9), (1.0, 0.9), (0.9, 0.95),  # looping, but as uncertain as at the start: no warning
-             (0.4, 0.85), (0.4, 0.85), (0.35, 0.9),  # the entropy fell: said once
-             (0.35, 0.97),  # the revisit share up by more than 0.1: said again
-             (0.3, 0.97), (0.15, 0.97)]]  # the entropy halved since: said again
-    assert [len(messages) for messages in said] == [0, 0, 0, 0, 1, 0, 0, 1, 0, 1]
-    message = said[4][0]
-    assert "85%" in message and "from 1 to 0.4" in message
-    for knob in ("history_length", "temperature", "entropy_coef", "epsilon_high", "dynamic_sampling_max_rounds",
-                 "reward_std_filter_ratio"):
-        assert knob in message
-    assert len(read_updates(tmp_path)) == 10 and read_updates(tmp_path)[4]["metrics"]["entropy"] == 0.4
 
 
 def test_a_tool_environment_anchored_on_its_calls_says_the_loop_metrics_do_not_apply(tmp_path, tool_model_path,

@@ -15,9 +15,12 @@ from trainer_helpers import cpu_config, settings_config
 from gigpo_trl import metric_names
 from gigpo_trl.advantages import compute_gigpo_advantages
 from gigpo_trl.dialogue import Completion
-from gigpo_trl.dynamic_sampling import SamplingCounts
+from gigpo_trl.dynamic_sampling import SamplingCounts, StdFilterCounts
+from gigpo_trl.env_checker import EnvCheckError, check_env
 from gigpo_trl.env_pool import EnvPool
-from gigpo_trl.metrics import PanelEpisode, RolloutSummary, RolloutTimes, panel_metrics, panel_tasks, rollout_metrics
+from gigpo_trl.metrics import (
+    EnvMetricTotals, PanelEpisode, RolloutSummary, RolloutTimes, panel_metrics, panel_tasks, rollout_metrics,
+)
 from gigpo_trl.rollout import collect_rollout
 from gigpo_trl.tasks import Task, task_dataset
 from gigpo_trl.trainer import GiGPOTrainer
@@ -211,6 +214,25 @@ def test_a_rollout_where_no_environment_says_has_no_success_rate_rather_than_zer
     assert [name for name in (*metrics, *panel) if "success_rate" in name] == []
 
 
+def test_a_rollout_s_means_leave_out_the_episodes_whose_environment_never_started(tmp_path):
+    # Corridors of 3 cells walked right: 2 steps to the win. Seed 7's copies fail their only reset attempt each.
+    env_fn = functools.partial(FailsToStart, tmp_path, {7: -1})
+    with EnvPool(env_fn, num_groups=2, group_size=2, processes=False, reset_attempts=1) as pool:
+        rollout = collect_rollout(pool, [Task(0), Task(7)], walk_right, max_env_steps=3, show_progress=False)
+    steps = rollout.steps
+    gigpo = compute_gigpo_advantages(steps.reward, steps.group, steps.trajectory, steps.step, steps.anchor)
+    summary = RolloutSummary.of(rollout, gigpo, RolloutTimes(1.0, 0.5, 0.5, 0.0), max_completion_length=8,
+                                end_token_ids={4}, update_samples=range(len(steps)))
+    metrics = rollout_metrics([summary])
+
+    assert [(e.length, e.env_error is not None) for e in rollout.episodes] == [(2, False)] * 2 + [(0, True)] * 2
+    # Not 1.0 steps, a return of 0.5 and a success of 0.5: the two that never started were never played.
+    assert metrics["env/episode_length_mean"] == 2.0 and metrics["env/return_mean"] == 1.0
+    assert metrics["env/success_rate"] == 1.0 and metrics["env/truncated_share"] == 0.0
+    assert metrics["env/env_error_share"] == 0.5  # but their environments did fail
+    assert metrics["frac_reward_zero_std"] == 1.0  # over the one task group played
+
+
 def test_a_panel_task_that_could_not_start_is_named_and_counts_in_no_figure(tmp_path):
     # Corridors of 3 (seed 0) and 4 cells, walked right 3 times: won in 2 and 3 steps. Seed 7's first copy fails its
     # only reset attempt; its second copy starts (and plays), but the task was not played whole.
@@ -239,11 +261,64 @@ def test_the_metric_names_defined_once_are_the_names_the_metrics_are_logged_unde
     gigpo = compute_gigpo_advantages(steps.reward, steps.group, steps.trajectory, steps.step, steps.anchor)
     sampling = SamplingCounts(groups_rolled=2, groups_kept=2, groups_dropped=0, groups_surplus=0, groups_missing=0,
                               extra_rounds=0, extra_rollout_s=0.0)
+    std_filter = StdFilterCounts.of([[0.5, 0.0]], kept=[[0]])
     summary = RolloutSummary.of(rollout, gigpo, RolloutTimes(1.0, 0.5, 0.5, 0.0), max_completion_length=8,
-                                end_token_ids={4}, update_samples=range(len(steps)), sampling=sampling)
+                                end_token_ids={4}, update_samples=range(len(steps)), sampling=sampling,
+                                std_filter=std_filter)
     logged = {*rollout_metrics([summary], update_seconds=1.0),
               *panel_metrics([PanelEpisode.of(episode, group_size=2) for episode in rollout.episodes]),
               *gigpo.stats.as_metrics()}  # its row count, which the rollout's metrics log as env/step_samples
-    names = {value for name, value in vars(metric_names).items() if name.isupper() and not name.endswith("PREFIX")}
+    names = {value for name, value in vars(metric_names).items()
+             if name.isupper() and isinstance(value, str) and not name.endswith("PREFIX")}
 
     assert names - logged == {metric_names.PANEL_UNPLAYED_TASKS, metric_names.GRAD_NORM_SPIKE}
+
+
+class MeasuredCorridor(Corridor):
+    """A corridor that reports metrics of its own: the cells still ahead, and the share of the way walked."""
+
+    def _info(self):
+        return {**super()._info(), "metrics": {"cells_left": self.length - 1 - self.position,
+                                               "progress": self.position / (self.length - 1)}}
+
+
+def test_an_environment_s_own_metrics_are_logged_from_each_episode_s_latest_values_overall_and_per_task_type():
+    # Corridors of 3 (seed 0) and 6 cells (seed 3) walked right twice: the first is won, the second is 3 cells short.
+    with EnvPool(MeasuredCorridor, num_groups=2, group_size=2, processes=False) as pool:
+        rollout = collect_rollout(pool, [Task(0), Task(3)], walk_right, max_env_steps=2, show_progress=False)
+    steps = rollout.steps
+    gigpo = compute_gigpo_advantages(steps.reward, steps.group, steps.trajectory, steps.step, steps.anchor)
+    summary = RolloutSummary.of(rollout, gigpo, RolloutTimes(1.0, 0.5, 0.5, 0.0), max_completion_length=8,
+                                end_token_ids={4}, update_samples=range(len(steps)))
+    metrics = rollout_metrics([summary])
+    panel = panel_metrics([PanelEpisode.of(episode, group_size=2) for episode in rollout.episodes])
+
+    assert [e.metrics for e in rollout.episodes] == [{"cells_left": 0.0, "progress": 1.0}] * 2 + [
+        {"cells_left": 3.0, "progress": 0.4}] * 2
+    for logged in (metrics, panel):
+        assert logged["env/cells_left"] == 1.5 and logged["env/progress"] == pytest.approx(0.7)
+        assert logged["env/cells_left/corridor-3"] == 0.0 and logged["env/cells_left/corridor-6"] == 3.0
+        assert logged["env/progress/corridor-6"] == pytest.approx(0.4)
+    # Summed over processes, as each process's rollout holds some of the episodes.
+    assert EnvMetricTotals.combine([EnvMetricTotals.of([("a", {"x": 1.0})]), EnvMetricTotals.of([(None, {"x": 3.0})])]
+                                   ).as_metrics() == {"env/x": 2.0, "env/x/a": 1.0}
+
+
+@pytest.mark.parametrize(("metrics", "problem"), [
+    ({"success_rate": 1.0}, r"info\['metrics'\]\['success_rate'\] would be logged as env/success_rate, which the "
+                            r"trainer logs itself: rename it"),
+    ({"score/max": 1.0}, r"info\['metrics'\] has the name 'score/max': use letters, digits"),
+    ({"score": float("nan")}, r"info\['metrics'\]\['score'\] must be a finite number, got nan"),
+    ({"score": "high"}, r"info\['metrics'\]\['score'\] must be a finite number, got 'high'"),
+    ([1.0], r"info\['metrics'\] must be a dict of \{name: number\}, got list"),
+])
+def test_an_environment_metric_that_cannot_be_logged_is_refused_by_name(metrics, problem):
+    class Declares(Corridor):
+        def _info(self):
+            return {**super()._info(), "metrics": metrics}
+
+    with pytest.raises(EnvCheckError, match=problem):
+        check_env(Declares())
+    with EnvPool(Declares, num_groups=1, group_size=1, processes=False) as pool, \
+            pytest.raises(ValueError, match=r"environment 'Declares', task seed 0: " + problem):
+        collect_rollout(pool, [Task(0)], walk_right, max_env_steps=1, show_progress=False)

@@ -9,6 +9,7 @@ import json
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -46,12 +47,17 @@ def test_every_config_and_its_grpo_baseline_parse_as_the_recipe_parses_them(conf
     # user on this machine would.
     device = ["--bf16", "false"] if yaml.safe_load(config.read_text()).get("bf16") else []
     arguments = ["--config", str(config), "--output_dir", str(tmp_path), *device]
-    task_args, training_args, model_args = parser.parse_args_and_config(args=arguments)
-    _, baseline, _ = parser.parse_args_and_config(args=[*arguments, "--step_advantage_weight", "0"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        task_args, training_args, model_args = parser.parse_args_and_config(args=arguments)
+        _, baseline, _ = parser.parse_args_and_config(args=[*arguments, "--step_advantage_weight", "0"])
 
     assert training_args.env_name in registered_envs()  # (ignored by the environment-class recipe)
     assert training_args.num_generations >= 2 and task_args.num_train_tasks > 0
     assert training_args.step_advantage_weight == 1.0 and baseline.step_advantage_weight == 0.0
+    # No setting of ours is deprecated on the pinned versions (transformers 5.23 renamed gradient_checkpointing).
+    assert [str(w.message) for w in caught if issubclass(w.category, (FutureWarning, DeprecationWarning))] == []
+    assert training_args.activation_checkpointing == yaml.safe_load(config.read_text()).get("activation_checkpointing", True)
 
 
 @pytest.mark.parametrize("config", [p for p in CONFIGS if p.stem.startswith("learning_")], ids=lambda p: p.name)

@@ -37,7 +37,7 @@ def run_dir(tmp_path_factory, tiny_model_path) -> Path:
     config = GiGPOConfig(
         output_dir=str(output_dir), per_device_train_batch_size=4, num_generations=2, steps_per_generation=1,
         gradient_accumulation_steps=1, max_steps=4, max_completion_length=2, max_env_steps=4, logging_steps=1,
-        report_to=[], gradient_checkpointing=False, save_strategy="no", eval_strategy="steps", eval_steps=2,
+        report_to=[], activation_checkpointing=False, save_strategy="no", eval_strategy="steps", eval_steps=2,
         per_device_eval_batch_size=2, env_processes=False, disable_tqdm=True, seed=0,
     )
     trainer = ScriptedTrainer(tiny_model_path, args=config, env=Corridor, train_dataset=task_dataset(range(4)),
@@ -96,7 +96,8 @@ class StepRows(HTMLParser):
 
 
 def state_after(step: dict) -> str:
-    mark = " reversal" if step["reversal"] else " revisit" if step["revisit"] else ""
+    mark = (" stay" if step["stay"] else " turn back" if step["turn_back"] else " revisit" if step["revisit"]
+            else "")
     return f"#{step['next_state']}{mark}"
 
 
@@ -177,9 +178,9 @@ def test_the_viewer_shows_every_step_of_every_sample_episode_with_its_fields(run
     for episode in trajectories["train-00003"]:
         assert f"seed {episode['seed']} · return {episode['return']:.3f} · {episode['length']} steps" in page
     assert 'class="won">won</span>' in page and "not won, truncated" in page
-    # The copies that answer "left" in cell 0 at their first step stay there: a revisit of the start, marked.
-    revisits = [row for row in StepRows(page).rows if "revisit" in row[4]]
-    assert revisits and {(row[0], row[3], row[4]) for row in revisits} == {("0", "left", "#0 revisit")}
+    # The copies that answer "left" in cell 0 at their first step stay there: a stay (a revisit of the start), marked.
+    stays = [row for row in StepRows(page).rows if "stay" in row[4]]
+    assert stays and {(row[0], row[3], row[4]) for row in stays} == {("0", "left", "#0 stay")}
 
 
 def test_the_viewer_shows_the_last_rollouts_only_and_says_how_many_were_left_out(run_dir, tmp_path):
@@ -245,7 +246,7 @@ def sampled_run_dir(tmp_path_factory, tiny_model_path) -> Path:
     config = GiGPOConfig(
         output_dir=str(output_dir), per_device_train_batch_size=4, num_generations=2, steps_per_generation=1,
         gradient_accumulation_steps=1, max_steps=2, max_completion_length=2, max_env_steps=4, logging_steps=1,
-        report_to=[], gradient_checkpointing=False, save_strategy="no", env_processes=False, disable_tqdm=True, seed=0,
+        report_to=[], activation_checkpointing=False, save_strategy="no", env_processes=False, disable_tqdm=True, seed=0,
         invalid_action_penalty=0.0, dynamic_sampling_max_rounds=2, shuffle_dataset=False,
     )
     lengths = [12, 3, 12, 12, 12, 3]

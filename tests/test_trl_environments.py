@@ -305,7 +305,7 @@ def test_a_chat_template_that_cannot_call_tools_is_refused_naming_the_ones_that_
 def test_the_same_classes_train_unchanged_under_trl_s_grpo_trainer(tmp_path, tool_model_path, factory, reward_funcs):
     config = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2, max_steps=1,
                         max_completion_length=16, max_tool_calling_iterations=2, report_to=[], bf16=False,
-                        gradient_checkpointing=False, save_strategy="no")
+                        activation_checkpointing=False, save_strategy="no")
     trainer = GRPOTrainer(tool_model_path, reward_funcs=reward_funcs, args=config, train_dataset=rows(4),
                           environment_factory=factory)
     trainer.train()

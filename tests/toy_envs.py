@@ -134,3 +134,22 @@ class UnwinnableOnRank1(Corridor):
             options = {**(options or {}), "length": 40}
         return super().reset(seed=seed, options=options)
 
+
+
+class GrowingLog(Corridor):
+    """A corridor whose observation is a log that grows by `words` words at every step (a long game transcript, a
+    tool's ever longer output): its prompts outgrow any context, sooner or later."""
+
+    words = 40
+
+    def reset(self, *, seed=None, options=None):
+        self.steps = 0
+        return super().reset(seed=seed, options=options)
+
+    def step(self, action):
+        self.steps += 1
+        return super().step(action)
+
+    def _observation(self):
+        log = " ".join(f"entry{k % 10}" for k in range(self.words * getattr(self, "steps", 0)))
+        return f"{super()._observation()} Log: {log}"

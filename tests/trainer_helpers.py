@@ -11,9 +11,12 @@ from trl.distributed import DistributedBackend
 from trl.generation.vllm_generation import VLLMGeneration
 from toy_envs import Corridor
 
+from gigpo_trl.advantages import compute_gigpo_advantages
 from gigpo_trl.config import GiGPOConfig
 from gigpo_trl.envs import register_env
 from gigpo_trl.dialogue import Completion
+from gigpo_trl.metrics import RolloutSummary, RolloutTimes, rollout_metrics
+from gigpo_trl.rollout import Rollout
 from gigpo_trl.trainer import GiGPOTrainer
 
 register_env("corridor", Corridor, overwrite=True)
@@ -25,9 +28,18 @@ def cpu_config(tmp_path, **overrides) -> GiGPOConfig:
     settings = dict(
         output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2, steps_per_generation=2,
         gradient_accumulation_steps=2, max_steps=2, max_completion_length=12, max_env_steps=4, logging_steps=1,
-        report_to=[], gradient_checkpointing=False, learning_rate=1e-3, save_strategy="no", seed=0, bf16=False,
+        report_to=[], activation_checkpointing=False, learning_rate=1e-3, save_strategy="no", seed=0, bf16=False,
     )
     return GiGPOConfig(**{**settings, **overrides})
+
+
+def logged_metrics(rollout: Rollout) -> dict[str, float]:
+    """The metrics the trainer logs of a rollout of one process, every step sample in the update."""
+    steps = rollout.steps
+    gigpo = compute_gigpo_advantages(steps.reward, steps.group, steps.trajectory, steps.step, steps.anchor)
+    summary = RolloutSummary.of(rollout, gigpo, RolloutTimes(1.0, 0.5, 0.5, 0.0), max_completion_length=8,
+                                end_token_ids={4}, update_samples=range(len(steps)))
+    return rollout_metrics([summary])
 
 
 def settings_config(tmp_path, **overrides) -> GiGPOConfig:

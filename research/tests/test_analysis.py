@@ -16,7 +16,7 @@ PANEL = ["seed 1000000", "seed 1000001", "seed 1000002"]
 def write_run(directory: Path, eval_success: dict[int, float], unplayed: dict[int, list[str]]) -> None:
     """The records of a run as GiGPOTrainer writes them (through gigpo_trl.records): training rollouts at steps 0-1,
     evaluations of the 3-task PANEL at the steps of `eval_success`, those of `unplayed` without some tasks."""
-    from gigpo_trl.records import iteration_record, write_evaluation, write_records
+    from gigpo_trl.records import evaluation_record, iteration_record, write_evaluation, write_records
 
     parts = [(np.array([2, 2]), np.zeros(2), np.zeros(2))]
 
@@ -30,8 +30,9 @@ def write_run(directory: Path, eval_success: dict[int, float], unplayed: dict[in
     for rollout, (step, success) in enumerate(eval_success.items()):
         write_records(directory, iteration_record(step, "eval", rollout, metrics(success), parts), [])
         missing = unplayed.get(step, [])
-        write_evaluation(directory, step, metrics(success), [task for task in PANEL if task not in missing],
-                         {task: "environment raised OSError: no port (the reset failed all 3 attempts)" for task in missing})
+        write_evaluation(directory, evaluation_record(
+            step, metrics(success), [task for task in PANEL if task not in missing],
+            {task: "environment raised OSError: no port (the reset failed all 3 attempts)" for task in missing}))
     (directory.parent / f"{directory.name}.log").write_text("")
 
 

@@ -1,0 +1,56 @@
+# /// script
+# dependencies = ["gigpo-trl"]
+# ///
+"""Evaluate a trained model without training: a checkpoint (a full model folder, or a LoRA adapter folder played on
+its base model), a Hub model, or the embedded SmolLM2-135M-Instruct plays held-out panels, greedily and/or with k
+sampled copies of each task (success rate, pass@k, mean return, loop metrics), through the same evaluation as a
+training run's (`GiGPOTrainer.evaluate`). Give it the training config, for the environment and prompt settings:
+
+    python recipes/evaluate.py --config recipes/configs/quickstart_cpu.yaml \\
+        --model_name_or_path outputs/quickstart --panels dev test --num_tasks 20 --samples 4 \\
+        --output_dir outputs/quickstart_evaluation
+
+It writes OUTPUT_DIR/episodes.jsonl (one line per episode), OUTPUT_DIR/evaluation.json (the report) and the
+trainer's records under OUTPUT_DIR/gigpo, and prints a line per panel and decoding. Any field of
+EvaluationArguments (gigpo_trl.evaluation), GiGPOConfig and ModelConfig can be set in the YAML or on the command line;
+the training-only fields of a training config are ignored.
+"""
+
+from __future__ import annotations
+
+from trl import ModelConfig, TrlParser
+
+from gigpo_trl import EMBEDDED_MODEL, GiGPOConfig, GiGPOTrainer, fold_seeds, task_dataset
+from gigpo_trl.evaluation import EvaluationArguments, Panel, evaluate_panels, load_model, summary
+
+
+def main(arguments: EvaluationArguments, config: GiGPOConfig, model_args: ModelConfig) -> list[dict]:
+    name = model_args.model_name_or_path or EMBEDDED_MODEL
+    panels = {text: Panel.parse(text).dataset(config.env_name, config.env_kwargs, arguments.num_tasks)
+              for text in arguments.panels}
+    model, tokenizer = load_model(name, model_args.dtype)
+    if isinstance(model, str):  # loaded by the trainer (an adapter's base is loaded by load_model)
+        config.model_init_kwargs = {"dtype": model_args.dtype, **(config.model_init_kwargs or {})}
+    # The trainer is built with training tasks; nothing trains on them.
+    tasks_per_rollout = config.generation_batch_size // config.num_generations
+    trainer = GiGPOTrainer(
+        model, args=config, processing_class=tokenizer,
+        train_dataset=task_dataset(fold_seeds(config.env_name, "train", tasks_per_rollout, **config.env_kwargs)),
+    )
+    records = evaluate_panels(trainer, panels, arguments, name)
+    trainer.close_environments()
+    if trainer.accelerator.is_main_process:
+        print(f"{name}\n{summary(records)}\nEpisodes and report: {config.output_dir}")
+    return records
+
+
+def parse(args: list[str] | None = None) -> tuple[EvaluationArguments, GiGPOConfig, ModelConfig]:
+    """The command line (`args`, or sys.argv). A training config's keys that are not the evaluation's (the
+    recipe's TaskArguments: num_train_tasks, num_eval_tasks, ...) are left unused; an unknown command-line argument
+    is refused."""
+    parser = TrlParser((EvaluationArguments, GiGPOConfig, ModelConfig))
+    return parser.parse_args_and_config(args=args, fail_with_unknown_args=False)
+
+
+if __name__ == "__main__":
+    main(*parse())
