@@ -16,13 +16,14 @@ from pathlib import Path
 from trainer_helpers import backend_facts
 from vllm_helpers import CUDA, train, training_logs, vllm_config
 
-from bench.vllm_cpu import keep_weights_for_sync, use_cpu_engine_environment
+from bench.vllm_cpu import apply_lora_per_slot, keep_weights_for_sync, use_cpu_engine_environment
 
 
 def main(options: argparse.Namespace) -> None:
     if not CUDA:
         use_cpu_engine_environment()
         keep_weights_for_sync()
+        apply_lora_per_slot()
     trainer = train(options.model_dir, vllm_config(options.output_dir, max_steps=options.max_steps),
                     skip_sync_from=options.skip_sync_from)
     facts = backend_facts(trainer)
