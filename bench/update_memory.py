@@ -10,7 +10,7 @@ gradients). The update's peak is one pass's, since `max_step_samples_per_micro_b
 the passes of a micro-batch free their activations before the next. A straight line through the sizes gives the
 memory per step sample, and per token and layer (`bytes_per_token_layer`), the coefficient of `pass_memory_gib`.
 
-`pass_memory_gib` and `run_memory_gib` with `BYTES_PER_TOKEN_LAYER_HIDDEN` are what `bench/learning.py --parallel`
+`pass_memory_gib` and `run_memory_gib` with `BYTES_PER_TOKEN_LAYER_HIDDEN` are what `research/learning.py --parallel`
 checks a plan with (it refuses one whose runs cannot fit); docs/performance.md ("Update memory per step sample") has
 the figures and their check against the H100 measurement (one pass of 64 SmolLM2 samples peaked at about 23 GiB).
 """
@@ -29,7 +29,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 GIB = 2**30
 # Bytes a loss pass holds per token, decoder layer and hidden unit (hidden_size), for the backward pass. Measured with
-# SmolLM2-135M (hidden 576, 30 layers; docs/update_memory_cpu.json, docs/performance.md) on this project's CPU: fp32
+# SmolLM2-135M (hidden 576, 30 layers; docs/figures/update_memory_cpu.json, docs/performance.md) on this project's CPU: fp32
 # 133, bf16 autocast 95. On the H100 (bf16, 2026-11-25) one pass of 64 Setting D samples (355 tokens at most) peaked at
 # about 23 GiB in its process, 21 GiB of it activations: 57, which is what a CUDA device gets in bf16 (the CPU's 95
 # overestimates it 1.7x; CPU autocast keeps more fp32 intermediates, and CUDA's attention saves no score matrix).
@@ -84,7 +84,7 @@ def one_pass(model: str, samples: int, prompt_tokens: int, answer_tokens: int, b
 
     from gigpo_trl import GiGPOConfig, GiGPOTrainer, task_dataset
     from gigpo_trl.batch import loss_batch
-    from gigpo_trl.rollout import Completion
+    from gigpo_trl.dialogue import Completion
 
     torch.manual_seed(0)
     config = GiGPOConfig(output_dir=str(ROOT / "outputs" / "update_memory"), env_name="rooms", env_processes=False,

@@ -33,6 +33,7 @@ from typing import Any
 
 from gigpo_trl.env_base import BaseTextEnv, is_int
 from gigpo_trl.envs import INFO_ADMISSIBLE_ACTIONS, INFO_ANCHOR, INFO_TASK, INFO_TASK_TYPE, INFO_WON
+from gigpo_trl.prompts import PromptTemplate
 
 Cell = tuple[int, int]  # (row, column), row 0 at the top
 
@@ -62,6 +63,12 @@ TASK = (
 )
 
 OPTION_KEYS = ("num_boxes", "dim_room", "layout")
+
+# The default wording of Sokoban's step prompts (registered with the name "sokoban": `GiGPOConfig.prompt_template`).
+PROMPT_TEMPLATE = PromptTemplate(
+    system="You are solving a Sokoban puzzle: push every box onto a target. Boxes can be pushed but never pulled.",
+    current="Current grid (step {step}):\n{observation}",
+)
 
 # Room generation, with gym-sokoban's constants where it has one.
 _TURN_PROBABILITY = 0.35  # chance that the carving walk changes direction at a step

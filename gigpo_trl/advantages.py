@@ -1,6 +1,6 @@
 """GiGPO advantages: an episode advantage and an anchor-state step advantage for every step row.
 
-Group-in-Group Policy Optimization (arXiv 2505.10978), as defined in GIGPO_SPEC.md sections 2-5:
+Group-in-Group Policy Optimization (arXiv 2505.10978), as docs/algorithm.md specifies it:
 
     s_t   = R - p * invalid_t                           episode score of row t   (R = sum_t r_t)
     G_t   = r_t + gamma * G_{t+1},  G_T = 0             discounted return-to-go
@@ -9,12 +9,12 @@ Group-in-Group Policy Optimization (arXiv 2505.10978), as defined in GIGPO_SPEC.
     A_S   = norm(v_t; {v of rows of g with the same anchor})   step advantage (0 for singletons)
     A     = A_E + omega * A_S
 
-With `step_lambda` < 1 (section 9, beyond the paper), the step value bootstraps from the states a trajectory
-reaches, valued by the group itself:
+With `step_lambda` < 1 (docs/algorithm.md, "Bootstrapped step value"; beyond the paper), the step value
+bootstraps from the states a trajectory reaches, valued by the group itself:
 
     V(k)  = mean of G_j over the rows j of g whose anchor is k     (the mean of k's step group)
     Gl_t  = r_t + gamma * ((1 - lambda) * V(k_{t+1}) + lambda * Gl_{t+1}),   Gl_{T-1} = r_{T-1}
-    v_t   = Gl_t - p * invalid_t                        (lambda = 1: Gl = G, section 3 exactly)
+    v_t   = Gl_t - p * invalid_t                        (lambda = 1: Gl = G, the paper exactly)
 
     norm(x; S) = (x - mean(S)) / (std(S) + 1e-6)        "mean_std" (std with Bessel's correction)
                =  x - mean(S)                           "mean"
@@ -35,6 +35,8 @@ import numpy as np
 import pandas as pd
 from rapidfuzz import process
 from rapidfuzz.distance import Indel
+
+from gigpo_trl.metric_names import GIGPO_PREFIX
 
 EPSILON = 1e-6
 NORM_MODES = ("mean_std", "mean")
@@ -93,7 +95,7 @@ class StepGroupStats:
             step_advantage_std=step_std,
         )
 
-    def as_metrics(self, prefix: str = "gigpo/") -> dict[str, float]:
+    def as_metrics(self, prefix: str = GIGPO_PREFIX) -> dict[str, float]:
         """The statistics as a flat `{prefix + name: float}` dict, ready for a logger."""
         return {prefix + f.name: float(getattr(self, f.name)) for f in fields(self)}
 
@@ -307,7 +309,7 @@ def compute_gigpo_advantages(
     similarity_threshold: float | None = None,
     step_lambda: float = 1.0,
 ) -> GiGPOAdvantages:
-    """GiGPO advantages of n step rows (GIGPO_SPEC.md sections 2-5).
+    """GiGPO advantages of n step rows (docs/algorithm.md).
 
     Args:
         rewards: float [n], `r_t`: the environment reward received after the row's action.
@@ -327,7 +329,7 @@ def compute_gigpo_advantages(
         invalid_penalty: p, subtracted from the score and the step value of invalid rows.
         similarity_threshold: None for exact anchor grouping; else text anchors of one group share
             a step group when similar enough (see `anchor_step_groups`).
-        step_lambda: lambda in [0, 1] of the bootstrapped step value (GIGPO_SPEC.md section 9): 1 (the paper) ranks
+        step_lambda: lambda in [0, 1] of the bootstrapped step value (docs/algorithm.md): 1 (the paper) ranks
             the rows of a step group by their own return-to-go; below 1 the return bootstraps from the value the
             group gives the states each trajectory reaches (the mean return-to-go of their step groups), so a move of
             a losing episode into a state from which other copies won gets credit. A_E does not change.
@@ -358,13 +360,13 @@ def compute_gigpo_advantages(
     steps_to_go = _check_trajectories(trajectory, step, group, order, trajectory_ids, group_ids)
     reward, penalty = rewards[order], invalid_penalty * invalid[order]
 
-    # Section 2: returns and episode scores s_t.
+    # Rewards and returns: returns and episode scores s_t.
     returns_to_go = discounted_returns(reward, steps_to_go, gamma)  # G_t
     # R = sum_t r_t, summed in step order over each trajectory's contiguous rows (codes are 0, 1, ... in layout order).
     episode_return = np.add.reduceat(reward, np.flatnonzero(step == 0))[trajectory]
     episode_scores = episode_return - penalty  # s_t = R - p * invalid_t
 
-    # Section 3: episode advantage A_E over the task group.
+    # The episode advantage A_E over the task group.
     num_groups = int(group.max()) + 1
     if episode_stats == "steps":
         mean, std, count = group_mean_std(episode_scores, group, num_groups)
@@ -378,13 +380,13 @@ def compute_gigpo_advantages(
     single = (count == 1)[group]  # S has one element: mean 0, std 1, the row keeps its raw score
     episode_advantages[single] = episode_scores[single]
 
-    # Section 3: step advantage A_S over the rows of the group that share an anchor state.
+    # The step advantage A_S over the rows of the group that share an anchor state.
     step_group = _anchor_step_groups(group_codes, anchor_keys, steps, similarity_threshold)[order]
     num_step_groups = int(step_group.max()) + 1
-    step_returns = returns_to_go  # lambda = 1: the row's own return-to-go, section 3
+    step_returns = returns_to_go  # lambda = 1: the row's own return-to-go, the paper's
     if step_lambda < 1.0:
-        # Section 9: V(k) = the mean G of k's step group; the layout's next row is the trajectory's next step, so
-        # V(k_{t+1}) is the value of the next row's step group (not read for a trajectory's last row).
+        # Bootstrapped step value: V(k) = the mean G of k's step group; the layout's next row is the trajectory's
+        # next step, so V(k_{t+1}) is the value of the next row's step group (not read for a trajectory's last row).
         state_values, _, _ = group_mean_std(returns_to_go, step_group, num_step_groups)
         next_values = np.append(state_values[step_group][1:], 0.0)
         step_returns = discounted_returns(reward, steps_to_go, gamma, step_lambda, next_values)  # Gl_t

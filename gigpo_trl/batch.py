@@ -16,7 +16,7 @@ import torch
 from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import pad, use_adapter
 
-from gigpo_trl.rollout import Completion
+from gigpo_trl.dialogue import Completion
 
 if TYPE_CHECKING:
     from trl import GRPOTrainer

@@ -89,7 +89,8 @@ class GiGPOConfig(GRPOConfig):
 
     step_advantage_lambda: float = field(
         default=1.0,
-        metadata={"help": "lambda of the step value (in [0, 1]; an extension beyond the paper, GIGPO_SPEC.md section 9). "
+        metadata={"help": "lambda of the step value (in [0, 1]; an extension beyond the paper: docs/algorithm.md, "
+                  "'Bootstrapped step value'). "
                   "1 (the paper): a step is valued by its own discounted return-to-go G_t. Below 1 the return "
                   "bootstraps from the states the trajectory reaches, each valued by the group (the mean G_t of its "
                   "step group): Gl_t = r_t + gamma * ((1 - lambda) * V(next state) + lambda * Gl_{t+1}), so a move of "
@@ -186,7 +187,7 @@ class GiGPOConfig(GRPOConfig):
     dynamic_sampling_signal: str = field(
         default="returns",
         metadata={"help": "What makes a task group worth an update under dynamic sampling: 'returns' (DAPO's rule, "
-                  "GIGPO_SPEC.md section 6): its trajectories' returns are not all equal; 'advantages': some step "
+                  "docs/algorithm.md, 'Dynamic sampling'): its trajectories' returns are not all equal; 'advantages': some step "
                   "sample's advantage A = A_E + omega * A_S is not 0, which also keeps groups of equal returns whose "
                   "copies differ in off-format answers (invalid_action_penalty) or, with gamma < 1, in how soon they "
                   "won.", "choices": list(SIGNAL_MODES)},

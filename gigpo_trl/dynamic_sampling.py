@@ -1,8 +1,8 @@
-"""Dynamic sampling (DAPO, arXiv 2503.14476, section 3.2; GIGPO_SPEC.md section 6): every update learns.
+"""Dynamic sampling (DAPO, arXiv 2503.14476, section 3.2; docs/algorithm.md): every update learns.
 
 A task group whose copies all got the same return (typically: none won) teaches the task nothing: it costs its rollout
 and its share of the update. Which groups count as carrying a signal (`dynamic_sampling_signal`):
-- "returns" (the default; DAPO's rule, GIGPO_SPEC.md section 6): the returns `R = sum_t r_t` of the group's
+- "returns" (the default; DAPO's rule): the returns `R = sum_t r_t` of the group's
   trajectories are not all equal. A group of equal returns is dropped even where its advantages are not all 0: copies
   that all lost but gave different numbers of off-format answers (the invalid-answer penalty), or copies that all won,
   some sooner (gamma < 1 and omega > 0: the sooner copies' steps have the larger returns-to-go).
@@ -10,9 +10,9 @@ and its share of the update. Which groups count as carrying a signal (`dynamic_s
   nothing to the policy gradient are dropped, and those of equal returns with a penalty or discount signal are kept.
   The group normalizations give exact zeros for equal values, so "is 0" is an exact test.
 A group left with a single trajectory (its other copies failed at reset) is dropped under "returns" (one return is
-compared with nothing) and kept under "advantages" when its raw score, which it keeps as its advantage (GIGPO_SPEC.md
-section 3), is not 0. A group without any step sample (every copy failed at reset) is dropped under both. Dynamic
-sampling never changes the advantage of a sample that reaches the update.
+compared with nothing) and kept under "advantages" when its raw score, which it keeps as its advantage
+(docs/algorithm.md, "The episode advantage"), is not 0. A group without any step sample (every copy failed at reset)
+is dropped under both. Dynamic sampling never changes the advantage of a sample that reaches the update.
 
 After a training rollout, each process drops its groups without signal and plays extra rounds of further tasks, drawn
 from the training set, as many tasks a round as its first rollout had, until it holds that many groups with a signal
@@ -41,6 +41,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 
 from gigpo_trl.advantages import GiGPOAdvantages
+from gigpo_trl.metric_names import DYNAMIC_SAMPLING_PREFIX, REWARD_STD_FILTER_PREFIX
 from gigpo_trl.rollout import Rollout, concatenate_rollouts
 
 SIGNAL_MODES = ("returns", "advantages")  # what makes a task group worth an update: see the module docstring
@@ -67,7 +68,7 @@ class SamplingCounts:
         return cls(**counts, extra_rounds=max(part.extra_rounds for part in parts),
                    extra_rollout_s=max(part.extra_rollout_s for part in parts))
 
-    def as_metrics(self, prefix: str = "dynamic_sampling/") -> dict[str, float]:
+    def as_metrics(self, prefix: str = DYNAMIC_SAMPLING_PREFIX) -> dict[str, float]:
         """The counts as a flat `{prefix + name: float}` dict, ready for a logger."""
         return {prefix + f.name: float(getattr(self, f.name)) for f in fields(self)}
 
@@ -274,7 +275,7 @@ class StdFilterCounts:
                    kept_std_mean=float(np.mean(kept_stds)) if kept_stds else 0.0,
                    dropped_std_mean=float(np.mean(dropped_stds)) if dropped_stds else 0.0)
 
-    def as_metrics(self, prefix: str = "reward_std_filter/") -> dict[str, float]:
+    def as_metrics(self, prefix: str = REWARD_STD_FILTER_PREFIX) -> dict[str, float]:
         """The counts as a flat `{prefix + name: float}` dict, ready for a logger."""
         return {prefix + f.name: float(getattr(self, f.name)) for f in fields(self)}
 

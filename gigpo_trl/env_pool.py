@@ -23,14 +23,14 @@ import signal
 import time
 import warnings
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
-from gigpo_trl.envs import ANCHOR_KINDS, INFO_ANCHOR_KIND, TextEnv, anchor_of
+from gigpo_trl.envs import ANCHOR_KINDS, INFO_ANCHOR_KIND, EnvOutput, TextEnv
+from gigpo_trl.metric_names import ENV_ERROR_SHARE
 from gigpo_trl.tasks import Task
 
 INFO_ENV_ERROR = "env_error"
-ENDS_HERE = "its trajectory ends here (the run goes on; logged as env/env_error_share)"
+ENDS_HERE = f"its trajectory ends here (the run goes on; logged as {ENV_ERROR_SHARE})"
 
 
 class GroupStartMismatchWarning(UserWarning):
@@ -39,25 +39,6 @@ class GroupStartMismatchWarning(UserWarning):
 
 class EnvironmentFailureWarning(UserWarning):
     """An environment raised, crashed or hung: its trajectory ended there (the run goes on); says why."""
-
-
-@dataclass
-class EnvOutput:
-    """What one environment returned for one reset or step (reset: reward 0, not terminated)."""
-
-    observation: str
-    reward: float = 0.0
-    terminated: bool = False
-    truncated: bool = False
-    info: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def done(self) -> bool:
-        return self.terminated or self.truncated
-
-    @property
-    def anchor(self) -> Any:
-        return anchor_of(self.observation, self.info)
 
 
 class EnvPool:

@@ -38,6 +38,7 @@ from __future__ import annotations
 import functools
 import importlib
 from collections.abc import Callable, Hashable, Mapping
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 INFO_ANCHOR = "anchor"
@@ -72,6 +73,25 @@ def anchor_of(observation: str, info: Mapping[str, Any]) -> Hashable:
     return info.get(INFO_ANCHOR, observation)
 
 
+@dataclass
+class EnvOutput:
+    """What one environment returned for one reset or step, in one shape (reset: reward 0, not terminated)."""
+
+    observation: str
+    reward: float = 0.0
+    terminated: bool = False
+    truncated: bool = False
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def done(self) -> bool:
+        return self.terminated or self.truncated
+
+    @property
+    def anchor(self) -> Any:
+        return anchor_of(self.observation, self.info)
+
+
 # Name -> factory, or "module:attribute" of a factory imported on first use (keeps heavy
 # dependencies such as TextWorld out of `import gigpo_trl`).
 _REGISTRY: dict[str, EnvFactory | str] = {
@@ -83,23 +103,48 @@ _REGISTRY: dict[str, EnvFactory | str] = {
     "alfworld": "gigpo_trl.environments.alfworld_games:AlfWorldEnv",
     "scienceworld": "gigpo_trl.environments.scienceworld_games:ScienceWorldEnv",
 }
+# Name -> the environment's default wording of step prompts (a `gigpo_trl.prompts.PromptTemplate`), or
+# "module:attribute" of one imported on first use; a name without one gets the generic template.
+_PROMPT_TEMPLATES: dict[str, Any] = {
+    "sokoban": "gigpo_trl.environments.sokoban:PROMPT_TEMPLATE",
+}
 
 
-def register_env(name: str, factory: EnvFactory | str, *, overwrite: bool = False) -> None:
+def register_env(name: str, factory: EnvFactory | str, *, overwrite: bool = False, prompt_template: Any = None) -> None:
     """Register an environment under `name` for `make_env(name, **kwargs)`.
 
     Args:
         name: the name users pass to `make_env` or to `GiGPOConfig.env_name`.
         factory: a callable `factory(**kwargs) -> env`, or a "module:attribute" string naming one.
-        overwrite: replace an existing registration instead of raising.
+        overwrite: replace an existing registration (and its prompt template) instead of raising.
+        prompt_template: the environment's default wording of step prompts, a `gigpo_trl.prompts.PromptTemplate` or a
+            "module:attribute" string naming one: used when a run names no template, and named by `name` in
+            `GiGPOConfig.prompt_template`. None: the generic template.
     """
     if not isinstance(name, str) or not name:
         raise ValueError(f"an environment name must be a non-empty str, got {name!r}")
     if not (callable(factory) or (isinstance(factory, str) and ":" in factory)):
         raise ValueError(f"factory for {name!r} must be a callable or a 'module:attribute' string, got {factory!r}")
+    if isinstance(prompt_template, str) and ":" not in prompt_template:
+        raise ValueError(f"prompt_template for {name!r} must be a PromptTemplate or a 'module:attribute' string, got "
+                         f"{prompt_template!r}")
     if name in _REGISTRY and not overwrite:
         raise ValueError(f"an environment named {name!r} is already registered; pass overwrite=True to replace it")
     _REGISTRY[name] = factory
+    _PROMPT_TEMPLATES.pop(name, None)
+    if prompt_template is not None:
+        _PROMPT_TEMPLATES[name] = prompt_template
+
+
+def env_prompt_template(name: str) -> Any:
+    """The default prompt template registered with an environment name (see `register_env`), or None."""
+    template = _PROMPT_TEMPLATES.get(name)
+    return _resolve(template) if template is not None else None
+
+
+def prompt_template_envs() -> list[str]:
+    """The environment names registered with a default prompt template."""
+    return sorted(_PROMPT_TEMPLATES)
 
 
 def registered_envs() -> list[str]:
@@ -159,10 +204,11 @@ def env_factory(env: str | EnvFactory, /, **kwargs: Any) -> Callable[[], TextEnv
     return functools.partial(make_env, env, **kwargs)
 
 
-def _resolve(factory: EnvFactory | str) -> EnvFactory:
-    if callable(factory):
-        return factory
-    module_name, _, attribute = factory.partition(":")
+def _resolve(entry: Any) -> Any:
+    """A registry entry itself, or the object its "module:attribute" string names (imported now)."""
+    if not isinstance(entry, str):
+        return entry
+    module_name, _, attribute = entry.partition(":")
     return getattr(importlib.import_module(module_name), attribute)
 
 

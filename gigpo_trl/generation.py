@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
-from gigpo_trl.rollout import Completion
+from gigpo_trl.dialogue import Completion
 
 if TYPE_CHECKING:
     from trl import GRPOTrainer

@@ -31,6 +31,8 @@ import statistics
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, fields
 
+from gigpo_trl.metric_names import LOOPS_PREFIX
+
 # The loop warning: the revisit share at or above LOOP_REVISIT_SHARE while the policy's entropy has fallen to at most
 # LOOP_ENTROPY_FALL times its value at the start of the run (the mean of its first ENTROPY_BASELINE_LOGS logged
 # training steps). A back-and-forth over T steps revisits (T - 1) / T of them (0.9 over 10); a uniformly random walk
@@ -127,7 +129,7 @@ class LoopCounts:
         parts = list(parts)
         return cls(**{f.name: sum(getattr(part, f.name) for part in parts) for f in fields(cls)})
 
-    def as_metrics(self, prefix: str = "loops/") -> dict[str, float]:
+    def as_metrics(self, prefix: str = LOOPS_PREFIX) -> dict[str, float]:
         """`loops/revisit_share`, `loops/reversal_share`, `loops/cycle_end_share`, `loops/distinct_states_mean`;
         each left out where it has nothing to count."""
         metrics = {}

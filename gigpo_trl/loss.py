@@ -12,6 +12,9 @@ lock-step, or a chunk) weighs as much as a full one. Here the bonus of a micro-b
 `coef * sum(H * mask) / normalizer`, with the policy term's normalizer: over one optimizer step, the bonus is `coef`
 times the mean entropy of every real completion token of the rollout, on one process or many, however the rows are
 split. That is TRL's documented objective `L = L_policy - coef * H`, with H the rollout's token mean.
+
+The functions are pure; `GiGPOLossMixin`, at the end, is the trainer's loss path built on them: the `GRPOTrainer`
+methods `GiGPOTrainer` overrides around the loss (it inherits the mixin before `GRPOTrainer`).
 """
 
 from __future__ import annotations
@@ -19,6 +22,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from accelerate.utils import DistributedType
+
+from gigpo_trl.metrics import merged_pass_metrics, padding_free_row_metrics
 
 
 def row_chunks(inputs: dict[str, Any], size: int | None) -> list[dict[str, Any]]:
@@ -73,3 +79,155 @@ def next_entropy_coef(coef: float, entropy: float, *, target: float, delta: floa
     if entropy <= target:
         return min(coef + delta, maximum)
     return max(coef - delta, minimum)
+
+
+class GiGPOLossMixin:
+    """`GRPOTrainer`'s loss path with the padding rows left out, in passes of bounded size, and with the entropy bonus
+    as a token mean over the rollout; inherited by `GiGPOTrainer` before `GRPOTrainer`, whose methods `super()` calls.
+
+    - `compute_loss` runs a training micro-batch in passes of at most `max_step_samples_per_micro_batch` rows, their
+      gradients accumulated (`_loss_in_passes`), and `prediction_step` the evaluation loss likewise.
+    - `_compute_loss` calls `GRPOTrainer`'s, corrects its per-row metrics for the padding rows, and subtracts the
+      entropy bonus (`_entropy_bonus`, `_adapt_entropy_coef`); `_get_per_token_logps_and_entropies` keeps the entropies
+      of the loss's pass for it.
+
+    The trainer calls `_setup_loss` once `GRPOTrainer.__init__` has run.
+    """
+
+    def _setup_loss(self) -> None:
+        """Take TRL's entropy bonus over and start the loss path's state."""
+        # TRL's entropy bonus averages per micro-batch; GiGPO's is a token mean over the rollout (`_compute_loss`).
+        self._rollout_entropy_bonus, self._entropy_bonus_enabled = self._entropy_bonus_enabled, False
+        self._loss_entropies: torch.Tensor | None = None  # of the loss's latest forward pass
+        self._pass_counts: list[tuple[int, int]] = []  # real rows and tokens (all processes) of a micro-batch's passes
+
+    def compute_loss(self, model, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch=None):
+        """GRPOTrainer's loss of a training micro-batch, in passes of at most max_step_samples_per_micro_batch rows
+        (`_loss_in_passes`), whose gradients are accumulated: the same loss and gradient as one pass, with the peak
+        memory of one pass."""
+        if not self.model.training:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        loss = self._loss_in_passes(model, inputs, self.args.max_step_samples_per_micro_batch, backward=True)
+        if self._rollout_entropy_bonus and self.use_adaptive_entropy and self.accelerator.sync_gradients:
+            self._adapt_entropy_coef()
+        return loss
+
+    def _loss_in_passes(self, model, inputs: dict[str, Any], size: int | None, *, backward: bool) -> torch.Tensor:
+        """GRPOTrainer's loss of a micro-batch computed over its row chunks of at most `size` rows
+        (`row_chunks`) and summed: exact for the allowed loss types, which sum over tokens and divide by
+        the whole rollout's token count; every process makes the same number of passes (its row count is the same).
+        With `backward`, every pass but the last is backpropagated here, its gradients accumulated without a sync or an
+        optimizer step, and the last is returned for the Trainer's backward pass, carrying the earlier passes' loss as
+        a constant. The loss metrics the passes log are merged into the micro-batch's (`merged_pass_metrics`)."""
+        mode = "train" if self.model.training else "eval"
+        logged = {key: len(values) for key, values in self._metrics[mode].items()}
+        self._pass_counts = []
+        chunks = row_chunks(inputs, size)
+        earlier = 0.0
+        for chunk in chunks[:-1]:
+            loss = super().compute_loss(model, chunk)
+            if backward:
+                self._backward_accumulating(model, loss)
+            earlier = earlier + loss.detach()
+        loss = super().compute_loss(model, chunks[-1]) + earlier
+        if len(chunks) > 1:
+            self._merge_pass_metrics(mode, logged)
+        return loss
+
+    def _merge_pass_metrics(self, mode: str, logged: dict[str, int]) -> None:
+        """One value per loss metric for a micro-batch that ran in several passes, as one pass would have logged it.
+        Passes without a real row (on every process) log nothing (`_compute_loss`); a metric logged once per pass that
+        held real rows is merged, any other (logged once per micro-batch) left as it is."""
+        counts = [(rows, tokens) for rows, tokens in self._pass_counts if rows]
+        for key, values in self._metrics[mode].items():
+            passes = values[logged.get(key, 0):]
+            if len(passes) > 1 and len(passes) == len(counts):
+                merged = merged_pass_metrics(passes, [r for r, _ in counts], [t for _, t in counts], key,
+                                             self.importance_sampling_level)
+                values[logged.get(key, 0):] = [merged]
+
+    def _backward_accumulating(self, model, loss: torch.Tensor) -> None:
+        """The backward pass of a chunk that is not its micro-batch's last: the Trainer's (`accelerator.backward`),
+        with the gradients kept for the next chunk: no all-reduce (DDP, FSDP), no DeepSpeed accumulation boundary,
+        no optimizer step."""
+        if self.accelerator.distributed_type == DistributedType.DEEPSPEED:
+            self.accelerator.deepspeed_engine_wrapped.backward(loss, sync_gradients=False, scale_wrt_gas=False)
+        else:
+            with self.accelerator.no_sync(model):
+                self.accelerator.backward(loss)
+
+    def _get_per_token_logps_and_entropies(self, *args: Any, **kwargs: Any):
+        """GRPOTrainer's forward pass; the entropies of the loss's pass (`compute_entropy`) are kept for the entropy
+        bonus of `_compute_loss`."""
+        outputs = super()._get_per_token_logps_and_entropies(*args, **kwargs)
+        if kwargs.get("compute_entropy"):
+            self._loss_entropies = outputs[1]
+        return outputs
+
+    def _compute_loss(self, model, inputs: dict[str, Any]) -> torch.Tensor:
+        """GRPOTrainer's loss (exact under padding rows: see SUPPORTED_LOSS_TYPES) minus the entropy bonus as a token
+        mean over the rollout (the module docstring), with its metrics made to leave the padding rows out: a micro-batch
+        holding only padding rows (on every process) logs nothing, and the metrics with one value per row count real
+        rows only."""
+        mode = "train" if self.model.training else "eval"
+        logged = {key: len(values) for key, values in self._metrics[mode].items()}
+        loss = super()._compute_loss(model, inputs)
+        entropies, self._loss_entropies = self._loss_entropies, None
+        loss_mask = inputs["completion_mask"] * inputs["tool_mask"]
+        real_rows = (inputs["tool_mask"].sum(dim=1) > 0).sum()
+        counts = torch.stack([real_rows, torch.tensor(inputs["tool_mask"].size(0), device=real_rows.device), loss_mask.sum()])
+        real, total, tokens = self.accelerator.reduce(counts, "sum").tolist()
+        self._pass_counts.append((real, tokens))
+        added = {key: values for key, values in self._metrics[mode].items() if len(values) > logged.get(key, 0)}
+        if real == 0:
+            for key, values in added.items():
+                del values[logged.get(key, 0):]
+        elif real < total:
+            per_row = {key: values[-1] for key, values in added.items()}
+            for key, value in padding_free_row_metrics(per_row, real, total, self.importance_sampling_level).items():
+                self._metrics[mode][key][-1] = value
+        if self._rollout_entropy_bonus:
+            loss = loss - self._entropy_bonus(entropies, inputs, mode)
+        return loss
+
+    def _entropy_bonus(self, entropies: torch.Tensor, inputs: dict[str, Any], mode: str) -> torch.Tensor:
+        """This micro-batch's share of `entropy_coef` times the rollout's token-mean entropy (`entropy_bonus`). Under
+        `top_entropy_quantile` < 1 it acts on the tokens the policy term trains, as TRL's; under `use_adaptive_entropy`
+        the coefficient applies while the previous step's entropy is at or below `entropy_target` (TRL's rule), and
+        this step's entropy is summed for the next update of the coefficient (`_adapt_entropy_coef`)."""
+        mask = inputs["completion_mask"] * inputs["tool_mask"]
+        if self.top_entropy_quantile < 1.0:
+            mask = mask * self.get_high_entropy_mask(entropies, mask, 1 - self.top_entropy_quantile)
+        normalizer = rollout_token_normalizer(
+            inputs["num_items_in_batch"], num_processes=self.accelerator.num_processes,
+            # set by the Trainer's training loop only (an evaluation may run before it)
+            accumulation_steps=self.current_gradient_accumulation_steps if mode == "train" else None,
+            steps_per_generation=self.args.steps_per_generation)
+        coef = self.entropy_coef
+        if self.use_adaptive_entropy:
+            coef = coef if self._last_world_entropy <= self.args.entropy_target else 0.0
+            if mode == "train":
+                window = torch.stack([(entropies * mask).sum(), mask.sum()]).detach()
+                self._entropy_window_stats = window if self._entropy_window_stats is None else self._entropy_window_stats + window
+        if mode == "train" and self.accelerator.sync_gradients and not self.use_adaptive_entropy:
+            self._metrics[mode]["entropy_coef"].append(coef)
+        return entropy_bonus(entropies, mask, normalizer, coef)
+
+    def _adapt_entropy_coef(self) -> None:
+        """At an optimizer step: the rollout's token-mean entropy over the step's micro-batches and processes moves the
+        adaptive coefficient (`next_entropy_coef`), which the next step applies; logged as `entropy_coef`."""
+        totals = self.accelerator.reduce(self._entropy_window_stats, reduction="sum")
+        self._last_world_entropy = (totals[0] / totals[1].clamp(min=1.0)).item()
+        self.entropy_coef = next_entropy_coef(
+            self.entropy_coef, self._last_world_entropy, target=self.args.entropy_target,
+            delta=self.args.entropy_coef_delta, minimum=self.args.entropy_coef_min, maximum=self.args.entropy_coef_max)
+        self._entropy_window_stats = None
+        self._metrics["train"]["entropy_coef"].append(self.entropy_coef)
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys: list[str] | None = None):
+        """The evaluation loss of a held-out rollout (GRPOTrainer's runs every row in one forward pass)."""
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad(), self.compute_loss_context_manager():
+            size = self.args.max_step_samples_per_micro_batch or self.args.per_device_eval_batch_size
+            loss = self._loss_in_passes(model, inputs, size, backward=False)
+        return loss.detach(), None, None

@@ -21,6 +21,11 @@ import numpy as np
 from gigpo_trl.advantages import GiGPOAdvantages, StepGroupStats
 from gigpo_trl.dynamic_sampling import SamplingCounts, StdFilterCounts
 from gigpo_trl.loops import EpisodeLoops, LoopCounts
+from gigpo_trl.metric_names import (
+    ADVANTAGES_S, ENV_ERROR_SHARE, ENV_S, EPISODE_LENGTH_MEAN, GENERATION_S, GROUP_RETURN_STD, INVALID_ACTION_RATE,
+    NONZERO_ADVANTAGE_SHARE, NUM_ROWS, PANEL_TASKS, PANEL_UNPLAYED, RETURN_MEAN, RETURN_STD, ROLLOUT_S, STEP_SAMPLES,
+    SUCCESS_RATE, TOKENS_PER_S, TRUNCATED_SHARE, UPDATE_S, UPDATE_STEP_SAMPLES,
+)
 from gigpo_trl.rollout import Episode, Rollout
 
 # `grad_norm/spike`: a training step's gradient norm over the median of the last this many logged before it.
@@ -150,24 +155,24 @@ def rollout_metrics(summaries: Sequence[RolloutSummary], update_seconds: float |
     shortest, longest = min(s.shortest_answer for s in summaries), max(s.longest_answer for s in summaries)
     generation_seconds = slowest("generation")
     step_groups = StepGroupStats.combine([s.step_groups for s in summaries]).as_metrics()
-    del step_groups["gigpo/num_rows"]  # logged as env/step_samples
+    del step_groups[NUM_ROWS]  # logged as env/step_samples
     metrics = {
         **_success_rate(total("won"), total("success_known")),
-        "env/return_mean": total("return_sum") / max(episodes, 1),
-        "env/return_std": _bessel_std(total("return_sum"), total("return_squares"), episodes),
-        "env/episode_length_mean": total("length_sum") / max(episodes, 1),
-        "env/truncated_share": total("truncated") / max(episodes, 1),
-        "env/env_error_share": total("env_errors") / max(episodes, 1),
-        "env/invalid_action_rate": total("invalid") / max(steps, 1),
-        "env/step_samples": steps,
+        RETURN_MEAN: total("return_sum") / max(episodes, 1),
+        RETURN_STD: _bessel_std(total("return_sum"), total("return_squares"), episodes),
+        EPISODE_LENGTH_MEAN: total("length_sum") / max(episodes, 1),
+        TRUNCATED_SHARE: total("truncated") / max(episodes, 1),
+        ENV_ERROR_SHARE: total("env_errors") / max(episodes, 1),
+        INVALID_ACTION_RATE: total("invalid") / max(steps, 1),
+        STEP_SAMPLES: steps,
         **step_groups,
-        "gigpo/update_step_samples": total("update_samples"),
-        "gigpo/nonzero_advantage_share": total("update_nonzero") / max(total("update_samples"), 1),
-        "timing/rollout_s": slowest("rollout"),
-        "timing/generation_s": generation_seconds,
-        "timing/env_s": slowest("env"),
-        "timing/advantages_s": slowest("advantages"),
-        "generation/tokens_per_s": total("generated_tokens") / max(generation_seconds, 1e-9),
+        UPDATE_STEP_SAMPLES: total("update_samples"),
+        NONZERO_ADVANTAGE_SHARE: total("update_nonzero") / max(total("update_samples"), 1),
+        ROLLOUT_S: slowest("rollout"),
+        GENERATION_S: generation_seconds,
+        ENV_S: slowest("env"),
+        ADVANTAGES_S: slowest("advantages"),
+        TOKENS_PER_S: total("generated_tokens") / max(generation_seconds, 1e-9),
         # GRPOTrainer's standard metrics in GiGPO's terms: the step reward is the per-sample reward; a task group
         # whose returns are all equal gets no episode advantage.
         "completions/mean_length": total("generated_tokens") / max(steps, 1),
@@ -179,9 +184,9 @@ def rollout_metrics(summaries: Sequence[RolloutSummary], update_seconds: float |
         "frac_reward_zero_std": total("equal_return_groups") / max(total("task_groups"), 1),
     }
     if total("spread_groups"):  # a group of one trajectory (one copy: evaluation's default) has no spread
-        metrics["env/group_return_std"] = total("group_return_std_sum") / total("spread_groups")
+        metrics[GROUP_RETURN_STD] = total("group_return_std_sum") / total("spread_groups")
     if update_seconds is not None:
-        metrics["timing/update_s"] = update_seconds
+        metrics[UPDATE_S] = update_seconds
     if summaries[0].sampling is not None:
         metrics.update(SamplingCounts.combine([s.sampling for s in summaries]).as_metrics())
     if summaries[0].std_filter is not None:  # over all processes already
@@ -309,19 +314,19 @@ def panel_metrics(episodes: Sequence[PanelEpisode]) -> dict[str, float]:
     if not first_plays:
         return {}
     played, unplayed = panel_tasks(first_plays)
-    metrics = {"env/panel_tasks": float(len(played) + len(unplayed)), "env/panel_unplayed": float(len(unplayed))}
+    metrics = {PANEL_TASKS: float(len(played) + len(unplayed)), PANEL_UNPLAYED: float(len(unplayed))}
     kept = [e for e in first_plays if e.task not in unplayed]
     if not kept:
         return metrics
     metrics |= {
         **_success_rate(sum(e.won is True for e in kept), sum(e.won is not None for e in kept)),
-        "env/return_mean": float(np.mean([e.episode_return for e in kept])),
-        "env/episode_length_mean": float(np.mean([e.length for e in kept])),
+        RETURN_MEAN: float(np.mean([e.episode_return for e in kept])),
+        EPISODE_LENGTH_MEAN: float(np.mean([e.length for e in kept])),
     }
     for task_type in sorted({e.task_type for e in kept if e.task_type is not None}):
         of_type = [e for e in kept if e.task_type == task_type]
         metrics.update(_success_rate(sum(e.won is True for e in of_type), sum(e.won is not None for e in of_type),
-                                     name=f"env/success_rate/{task_type}"))
+                                     name=f"{SUCCESS_RATE}/{task_type}"))
     loops = [e.loops for e in kept if e.loops is not None]
     if loops:
         metrics.update(LoopCounts.combine(loops).as_metrics())
@@ -336,7 +341,7 @@ def _first_plays(episodes: Sequence[PanelEpisode]) -> list[PanelEpisode]:
     return list(distinct.values())
 
 
-def _success_rate(won: float, known: float, name: str = "env/success_rate") -> dict[str, float]:
+def _success_rate(won: float, known: float, name: str = SUCCESS_RATE) -> dict[str, float]:
     """{name: won / known} over the episodes whose success is known; {} when none is: a success rate of 0 would say
     "never won" where the environment said nothing."""
     return {name: won / known} if known else {}

@@ -1,7 +1,7 @@
 """Turning a model's answer into an environment action.
 
-Validity is about FORMAT only (GIGPO_SPEC section 2): an answer is valid when it holds exactly one
-non-empty `<action>...</action>` block; a well-formed but useless action is valid. Independently,
+Validity is about FORMAT only (docs/algorithm.md, "The invalid-answer penalty"): an answer is valid when it holds
+exactly one non-empty `<action>...</action>` block; a well-formed but useless action is valid. Independently,
 the action text is mapped leniently onto the admissible actions, so that an untrained model that
 names a command in its own words still moves the environment.
 """

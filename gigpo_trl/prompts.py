@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from gigpo_trl.envs import env_prompt_template, prompt_template_envs
+
 
 @dataclass(frozen=True)
 class PromptTemplate:
@@ -39,11 +41,6 @@ class PromptTemplate:
     )
     examples: tuple[tuple[str, str], ...] = ()
 
-
-SOKOBAN_TEMPLATE = PromptTemplate(
-    system="You are solving a Sokoban puzzle: push every box onto a target. Boxes can be pushed but never pulled.",
-    current="Current grid (step {step}):\n{observation}",
-)
 
 _NUMBERED_INSTRUCTION = "Answer with <action>N</action>, where N is the number of one admissible action."
 
@@ -78,31 +75,32 @@ ACTION_ONE_SHOT_TEMPLATE = PromptTemplate(
 # Short prompts for tiny models: no system message, answer with a number.
 NUMBERED_TEMPLATE = PromptTemplate(system="", instruction=_NUMBERED_INSTRUCTION)
 
-# Templates by name, for `GiGPOConfig.prompt_template`.
+# Templates by name, for `GiGPOConfig.prompt_template`. An environment's own wording is registered with it
+# (`register_env(..., prompt_template=...)`) and named by the environment's name (`template_for`).
 TEMPLATES: dict[str, PromptTemplate] = {
     "default": PromptTemplate(),
     "numbered": NUMBERED_TEMPLATE,
-    "sokoban": SOKOBAN_TEMPLATE,
     "numbered_one_shot": NUMBERED_ONE_SHOT_TEMPLATE,
     "action_one_shot": ACTION_ONE_SHOT_TEMPLATE,
 }
-# Default template of each shipped environment; any other environment gets `PromptTemplate()`.
-ENV_TEMPLATES: dict[str, PromptTemplate] = {"sokoban": SOKOBAN_TEMPLATE, "textworld": PromptTemplate()}
 
 
 def template_for(env_name: str | None) -> PromptTemplate:
-    """The default template of an environment name (the generic one for unknown names)."""
-    return ENV_TEMPLATES.get(env_name or "", PromptTemplate())
+    """The default template of an environment name: the one registered with it, else the generic one."""
+    return env_prompt_template(env_name or "") or PromptTemplate()
 
 
 def load_template(name_or_path: str) -> PromptTemplate:
-    """A template by name (`TEMPLATES`) or from a JSON file of `PromptTemplate` fields (the others keep
-    their defaults; `examples` is a list of [user, assistant] pairs)."""
+    """A template by name (`TEMPLATES`, or an environment's name for its registered template) or from a JSON file of
+    `PromptTemplate` fields (the others keep their defaults; `examples` is a list of [user, assistant] pairs)."""
     if name_or_path in TEMPLATES:
         return TEMPLATES[name_or_path]
+    if name_or_path in prompt_template_envs():
+        return template_for(name_or_path)
     path = Path(name_or_path)
     if not path.is_file():
-        raise ValueError(f"prompt template {name_or_path!r} is neither a template name {sorted(TEMPLATES)} nor a JSON file")
+        raise ValueError(f"prompt template {name_or_path!r} is neither a template name {sorted(TEMPLATES)}, an "
+                         f"environment's {prompt_template_envs()}, nor a JSON file")
     values = json.loads(path.read_text())
     unknown = set(values) - {f.name for f in fields(PromptTemplate)}
     if unknown:

@@ -9,6 +9,9 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from gigpo_trl.metric_names import (
+    PANEL_TASKS, PANEL_UNPLAYED, PANEL_UNPLAYED_TASKS, RETURN_MEAN, SUCCESS_RATE, evaluation_name,
+)
 from gigpo_trl.report import write_report
 
 
@@ -22,34 +25,39 @@ class RunOutcome:
     report: Path | None
 
 
-class FirstEvaluation(TrainerCallback):
-    """Keeps the metrics of a training run's first evaluation."""
+class Evaluations(TrainerCallback):
+    """Keeps the training step and metrics of every evaluation of a run."""
 
     def __init__(self) -> None:
-        self.metrics: dict[str, float] | None = None
+        self.made: list[tuple[int, dict[str, float]]] = []
 
     def on_evaluate(self, args, state, control, metrics: dict[str, float] | None = None, **kwargs) -> None:
-        if self.metrics is None:
-            self.metrics = metrics
+        self.made.append((state.global_step, metrics))
 
 
 def train_and_report(trainer: Any, resume_from_checkpoint: str | bool | None = None,
-                     panel: str = "Held-out success rate") -> RunOutcome:
-    """Evaluate (if the trainer has held-out tasks), train, evaluate again, save the model, stop the environments and
-    write the run report (`gigpo_trl.report`); the main process prints `panel` with the success rates before and
-    after (`held_out_line`), and where the report is.
+                     panel: str = "Held-out success rate", evaluate_first: bool = True) -> RunOutcome:
+    """Evaluate (if the trainer has held-out tasks, and `evaluate_first`), train, evaluate again, save the model, stop
+    the environments and write the run report (`gigpo_trl.report`); the main process prints `panel` with the success
+    rates before and after (`held_out_line`), and where the report is.
 
     The first evaluation runs as training starts (`eval_on_start`), on the model as `train()` prepared it (and as a
     checkpoint it resumes from left it): under DeepSpeed, an `evaluate()` before `train()` leaves transformers'
-    Trainer an engine without an optimizer, and training then fails at its first backward pass."""
+    Trainer an engine without an optimizer, and training then fails at its first backward pass. The evaluation after
+    training is the periodic one of the last step where the run made one there (`eval_steps` dividing `max_steps`):
+    the same weights, the same panel, not played twice."""
     held_out = trainer.eval_dataset is not None
-    first = FirstEvaluation()
+    evaluations = Evaluations()
     if held_out:
-        trainer.args.eval_on_start = True
-        trainer.add_callback(first)
+        trainer.args.eval_on_start = evaluate_first
+        trainer.add_callback(evaluations)
     trainer.train(resume_from_checkpoint=resume_from_checkpoint)
-    before = first.metrics
-    after = trainer.evaluate() if held_out else None
+    before = evaluations.made[0][1] if evaluate_first and evaluations.made else None
+    after = None
+    if held_out:
+        last_step, last = evaluations.made[-1] if evaluations.made else (None, None)
+        training_made_it = last_step == trainer.state.global_step and (len(evaluations.made) > 1 or not evaluate_first)
+        after = last if training_made_it else trainer.evaluate()
     trainer.save_model(trainer.args.output_dir)
     trainer.close_environments()
     if not trainer.accelerator.is_main_process:
@@ -61,22 +69,24 @@ def train_and_report(trainer: Any, resume_from_checkpoint: str | bool | None = N
     return RunOutcome(before, after, report)
 
 
-def held_out_line(panel: str, before: dict[str, Any], after: dict[str, Any]) -> str:
+def held_out_line(panel: str, before: dict[str, Any] | None, after: dict[str, Any]) -> str:
     """`panel` with the held-out success rates before and after training (the mean returns where the environment does
     not say whether a task is won), each over the tasks its evaluation played: where one could not play every task,
     how many it played and which it could not follow, e.g. "19.0% before training (63 of 64 tasks played; 1 could not
-    be: seed 1000023) -> 26.6% after"."""
-    success = "eval_env/success_rate" in before or "eval_env/success_rate" in after
-    name = "eval_env/success_rate" if success else "eval_env/return_mean"
+    be: seed 1000023) -> 26.6% after". `before` is None where the panel was not played before training."""
+    success = evaluation_name(SUCCESS_RATE) in (before or {}) or evaluation_name(SUCCESS_RATE) in after
+    name = evaluation_name(SUCCESS_RATE) if success else evaluation_name(RETURN_MEAN)
 
-    def figure(metrics: dict[str, Any], when: str) -> str:
+    def figure(metrics: dict[str, Any] | None, when: str) -> str:
+        if metrics is None:
+            return f"not played {when} (evaluate_before_training false)"
         text = (f"{metrics[name]:.1%}" if success else f"{metrics[name]:.4g}") if name in metrics else "nothing played"
         text += f" {when}"
-        unplayed = int(metrics.get("eval_env/panel_unplayed", 0))
+        unplayed = int(metrics.get(evaluation_name(PANEL_UNPLAYED), 0))
         if unplayed:
-            tasks = int(metrics["eval_env/panel_tasks"])
+            tasks = int(metrics[evaluation_name(PANEL_TASKS)])
             text += (f" ({tasks - unplayed} of {tasks} tasks played; {unplayed} could not be: "
-                     f"{metrics['eval_env/panel_unplayed_tasks']})")
+                     f"{metrics[evaluation_name(PANEL_UNPLAYED_TASKS)]})")
         return text
 
     prefix = f"{panel}: " if success else f"{panel}: success not reported by the environment (no `won`); mean return "

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from gigpo_trl.advantages import GiGPOAdvantages
+from gigpo_trl.metric_names import GRAD_NORM_SPIKE
 from gigpo_trl.rollout import Rollout
 
 # Histogram bins of the advantages, centred on 0 (exact zeros are common: every singleton step group);
@@ -39,7 +40,7 @@ from gigpo_trl.rollout import Rollout
 ADVANTAGE_BINS = np.linspace(-4.125, 4.125, 34)
 RECORDS_DIR = "gigpo"
 # What TRL logs of a training step that the report draws (those logged; `grad_norm/spike` is GiGPOTrainer's).
-UPDATE_METRICS = ("loss", "entropy", "grad_norm", "grad_norm/spike", "learning_rate")
+UPDATE_METRICS = ("loss", "entropy", "grad_norm", GRAD_NORM_SPIKE, "learning_rate")
 
 
 def iteration_record(step: int, mode: str, rollout: int, metrics: dict[str, float],

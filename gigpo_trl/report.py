@@ -22,6 +22,14 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 from transformers import TrainerCallback
 
+from gigpo_trl.metric_names import (
+    CYCLE_END_SHARE, DISTINCT_STATES_MEAN, DYNAMIC_SAMPLING_PREFIX, ENV_ERROR_SHARE, EPISODE_ADVANTAGE_STD,
+    EPISODE_LENGTH_MEAN, EXTRA_ROLLOUT_S, EXTRA_ROUNDS, GRAD_NORM_SPIKE, GROUPS_DROPPED, GROUPS_KEPT, GROUPS_MISSING,
+    GROUPS_ROLLED, GROUPS_SURPLUS, GROUP_RETURN_STD, INVALID_ACTION_RATE, LOOPS_PREFIX, NONZERO_ADVANTAGE_SHARE,
+    NONZERO_STEP_ADVANTAGE_SHARE, PANEL_TASKS, PANEL_UNPLAYED, RETURN_MEAN, REVERSAL_SHARE, REVISIT_SHARE, ROLLOUT_S,
+    SINGLETON_SHARE, STEP_ADVANTAGE_STD, STEP_GROUP_SIZE_MAX, STEP_GROUP_SIZE_MEAN, STEP_SAMPLES, SUCCESS_RATE,
+    TOKENS_PER_S, TRUNCATED_SHARE,
+)
 from gigpo_trl.metrics import GRAD_NORM_SPIKE_WINDOW
 from gigpo_trl.records import RECORDS_DIR, read_evaluations, read_iterations, read_trajectories, read_updates
 
@@ -61,37 +69,37 @@ LOOPS_NOT_APPLICABLE = ("not applicable:\nthe environment's anchors are\nhistori
 
 # The metrics of the table at the top of the page, with what they mean.
 KEY_METRICS = {
-    "env/success_rate": "share of episodes won",
-    "env/return_mean": "mean episode return",
-    "env/episode_length_mean": "mean episode length (environment steps)",
-    "env/truncated_share": "share of episodes cut off (step limit or environment failure)",
-    "env/env_error_share": "share of episodes ended by an environment error",
-    "env/invalid_action_rate": "share of answers without a well-formed <action> block",
-    "env/group_return_std": "mean over task groups of the standard deviation of their copies' returns",
-    "loops/revisit_share": "share of steps that go back to a state their episode had visited",
-    "loops/reversal_share": "share of steps back to the state of two steps before",
-    "loops/cycle_end_share": "share of episodes cut off inside a cycle",
-    "loops/distinct_states_mean": "distinct states per episode",
-    "env/step_samples": "step samples (one per environment step)",
-    "gigpo/step_group_size_mean": "mean step-group size (step samples per group of equal states)",
-    "gigpo/step_group_size_max": "largest step group",
-    "gigpo/singleton_share": "share of step groups of size 1 (their step advantage is 0)",
-    "gigpo/nonzero_step_advantage_share": "share of step samples with a nonzero step advantage A_S",
-    "gigpo/nonzero_advantage_share": "share of the update's step samples with a nonzero advantage A",
-    "gigpo/episode_advantage_std": "standard deviation of the episode advantage A_E",
-    "gigpo/step_advantage_std": "standard deviation of the step advantage A_S",
-    "timing/rollout_s": "rollout time (seconds)",
-    "generation/tokens_per_s": "generation throughput (tokens per second)",
+    SUCCESS_RATE: "share of episodes won",
+    RETURN_MEAN: "mean episode return",
+    EPISODE_LENGTH_MEAN: "mean episode length (environment steps)",
+    TRUNCATED_SHARE: "share of episodes cut off (step limit or environment failure)",
+    ENV_ERROR_SHARE: "share of episodes ended by an environment error",
+    INVALID_ACTION_RATE: "share of answers without a well-formed <action> block",
+    GROUP_RETURN_STD: "mean over task groups of the standard deviation of their copies' returns",
+    REVISIT_SHARE: "share of steps that go back to a state their episode had visited",
+    REVERSAL_SHARE: "share of steps back to the state of two steps before",
+    CYCLE_END_SHARE: "share of episodes cut off inside a cycle",
+    DISTINCT_STATES_MEAN: "distinct states per episode",
+    STEP_SAMPLES: "step samples (one per environment step)",
+    STEP_GROUP_SIZE_MEAN: "mean step-group size (step samples per group of equal states)",
+    STEP_GROUP_SIZE_MAX: "largest step group",
+    SINGLETON_SHARE: "share of step groups of size 1 (their step advantage is 0)",
+    NONZERO_STEP_ADVANTAGE_SHARE: "share of step samples with a nonzero step advantage A_S",
+    NONZERO_ADVANTAGE_SHARE: "share of the update's step samples with a nonzero advantage A",
+    EPISODE_ADVANTAGE_STD: "standard deviation of the episode advantage A_E",
+    STEP_ADVANTAGE_STD: "standard deviation of the step advantage A_S",
+    ROLLOUT_S: "rollout time (seconds)",
+    TOKENS_PER_S: "generation throughput (tokens per second)",
 }
 # Added to the table of a run that trained with dynamic sampling.
 DYNAMIC_SAMPLING_METRICS = {
-    "dynamic_sampling/groups_rolled": "task groups rolled (every round)",
-    "dynamic_sampling/groups_kept": "task groups in the update (with a signal)",
-    "dynamic_sampling/groups_dropped": "task groups dropped (every step sample's advantage 0)",
-    "dynamic_sampling/groups_surplus": "task groups with a signal left out (more than asked)",
-    "dynamic_sampling/groups_missing": "task groups the update lacks (the limit was reached)",
-    "dynamic_sampling/extra_rounds": "extra rollout rounds",
-    "dynamic_sampling/extra_rollout_s": "rollout time of the extra rounds (seconds)",
+    GROUPS_ROLLED: "task groups rolled (every round)",
+    GROUPS_KEPT: "task groups in the update (with a signal)",
+    GROUPS_DROPPED: "task groups dropped (every step sample's advantage 0)",
+    GROUPS_SURPLUS: "task groups with a signal left out (more than asked)",
+    GROUPS_MISSING: "task groups the update lacks (the limit was reached)",
+    EXTRA_ROUNDS: "extra rollout rounds",
+    EXTRA_ROLLOUT_S: "rollout time of the extra rounds (seconds)",
 }
 
 # C0/C1 control characters (tabs and newlines aside) are not allowed in HTML text; small models emit them.
@@ -127,7 +135,7 @@ def write_report(output_dir: str | Path, max_rollouts: int = DEFAULT_ROLLOUTS_SH
         _plot_health(updates, train, evaluation).savefig(report_dir / HEALTH_CAPTION[0], dpi=100)
         captions[HEALTH_CAPTION[0]] = HEALTH_CAPTION[1]
     evaluations = read_evaluations(output_dir)
-    if any("env/success_rate" in record["metrics"] for record in evaluations):
+    if any(SUCCESS_RATE in record["metrics"] for record in evaluations):
         _plot_panel(evaluations).savefig(report_dir / PANEL_CAPTION[0], dpi=100)
         captions[PANEL_CAPTION[0]] = PANEL_CAPTION[1]
     sampled = [record for record in train if _dynamic_sampling(record)]
@@ -148,22 +156,22 @@ def write_report(output_dir: str | Path, max_rollouts: int = DEFAULT_ROLLOUTS_SH
 
 def _plot_outcomes(train: list[dict[str, Any]], evaluation: list[dict[str, Any]]) -> Figure:
     panels = (
-        ("env/success_rate", "Success rate", "share of episodes won"),
-        ("env/return_mean", "Mean episode return", "return (sum of rewards)"),
-        ("env/episode_length_mean", "Mean episode length", "environment steps per episode"),
-        ("env/invalid_action_rate", "Invalid answers", "share of answers without <action>...</action>"),
+        (SUCCESS_RATE, "Success rate", "share of episodes won"),
+        (RETURN_MEAN, "Mean episode return", "return (sum of rewards)"),
+        (EPISODE_LENGTH_MEAN, "Mean episode length", "environment steps per episode"),
+        (INVALID_ACTION_RATE, "Invalid answers", "share of answers without <action>...</action>"),
     )
-    return _metric_panels(train, evaluation, panels, {"env/success_rate": SUCCESS_NOT_REPORTED}, shares=(0, 3))
+    return _metric_panels(train, evaluation, panels, {SUCCESS_RATE: SUCCESS_NOT_REPORTED}, shares=(0, 3))
 
 
 def _plot_loops(train: list[dict[str, Any]], evaluation: list[dict[str, Any]]) -> Figure:
     panels = (
-        ("loops/revisit_share", "Revisits", "share of steps back to a visited state"),
-        ("loops/reversal_share", "Immediate reversals", "share of steps back to the state two before"),
-        ("loops/cycle_end_share", "Episodes ending in a cycle", "share of episodes cut off in a visited state"),
-        ("loops/distinct_states_mean", "Distinct states", "states per episode (the start included)"),
+        (REVISIT_SHARE, "Revisits", "share of steps back to a visited state"),
+        (REVERSAL_SHARE, "Immediate reversals", "share of steps back to the state two before"),
+        (CYCLE_END_SHARE, "Episodes ending in a cycle", "share of episodes cut off in a visited state"),
+        (DISTINCT_STATES_MEAN, "Distinct states", "states per episode (the start included)"),
     )
-    applicable = any(name.startswith("loops/") for record in train + evaluation for name in record["metrics"])
+    applicable = any(name.startswith(LOOPS_PREFIX) for record in train + evaluation for name in record["metrics"])
     not_reported = {} if applicable else {metric: LOOPS_NOT_APPLICABLE for metric, _, _ in panels}
     return _metric_panels(train, evaluation, panels, not_reported, shares=(0, 1, 2))
 
@@ -192,7 +200,7 @@ def _plot_health(updates: list[dict[str, Any]], train: list[dict[str, Any]], eva
     for axes, metric, title, unit in (
         (entropy_axes, "entropy", "Policy entropy", "mean per completion token"),
         (norm_axes, "grad_norm", "Gradient norm", "before clipping"),
-        (spike_axes, "grad_norm/spike", "Gradient-norm spikes", f"over the median of the last {GRAD_NORM_SPIKE_WINDOW}"),
+        (spike_axes, GRAD_NORM_SPIKE, "Gradient-norm spikes", f"over the median of the last {GRAD_NORM_SPIKE_WINDOW}"),
     ):
         axes.plot(steps, [record["metrics"].get(metric, np.nan) for record in updates], marker="o", markersize=4,
                   label="logged training steps")
@@ -200,7 +208,7 @@ def _plot_health(updates: list[dict[str, Any]], train: list[dict[str, Any]], eva
         _step_axis(axes, steps)
         axes.legend()
     spike_axes.axhline(1.0, color="black", linestyle=":", linewidth=1)
-    _plot_metric(spread_axes, train, evaluation, "env/group_return_std")
+    _plot_metric(spread_axes, train, evaluation, GROUP_RETURN_STD)
     spread_axes.set(title="Return spread within task groups", xlabel=STEP_AXIS_LABEL,
                     ylabel="mean std of the copies' returns")
     return figure
@@ -226,7 +234,7 @@ def _plot_step_groups(train: list[dict[str, Any]], evaluation: list[dict[str, An
                    ylabel="share of the rollout's step groups")
     sizes_axes.legend()
 
-    _plot_metric(singletons_axes, train, evaluation, "gigpo/singleton_share")
+    _plot_metric(singletons_axes, train, evaluation, SINGLETON_SHARE)
     singletons_axes.set(title="Singleton step groups (step advantage 0)", xlabel=STEP_AXIS_LABEL,
                         ylabel="share of step groups of size 1", ylim=(-0.05, 1.05))
     return figure
@@ -259,13 +267,13 @@ def _plot_panel(evaluations: list[dict[str, Any]]) -> Figure:
     figure = Figure(figsize=(10, 4.2), layout="constrained")
     axes = figure.subplots()
     steps = [record["step"] for record in evaluations]
-    names = sorted({name for record in evaluations for name in record["metrics"] if name.startswith("env/success_rate")})
+    names = sorted({name for record in evaluations for name in record["metrics"] if name.startswith(SUCCESS_RATE)})
     for name in names:
-        label = "all tasks" if name == "env/success_rate" else name.removeprefix("env/success_rate/")
-        style = {"linewidth": 3, "color": "black"} if name == "env/success_rate" else {"linestyle": "--"}
+        label = "all tasks" if name == SUCCESS_RATE else name.removeprefix(f"{SUCCESS_RATE}/")
+        style = {"linewidth": 3, "color": "black"} if name == SUCCESS_RATE else {"linestyle": "--"}
         axes.plot(steps, [record["metrics"].get(name, np.nan) for record in evaluations], marker="s", label=label,
                   **style)
-    counts = {(int(m.get("env/panel_tasks", 0)), int(m.get("env/panel_unplayed", 0))) for m in
+    counts = {(int(m.get(PANEL_TASKS, 0)), int(m.get(PANEL_UNPLAYED, 0))) for m in
               (record["metrics"] for record in evaluations)}
     tasks = ", ".join(f"{total - unplayed} of {total} tasks played" if unplayed else f"{total} tasks"
                       for total, unplayed in sorted(counts))
@@ -288,15 +296,14 @@ def _plot_dynamic_sampling(train: list[dict[str, Any]]) -> Figure:
     for name, label, style in (("groups_rolled", "rolled (every round)", {"marker": "o"}),
                                ("groups_kept", "kept for the update", {"marker": "o", "linewidth": 3}),
                                ("groups_dropped", "dropped: no signal", {"marker": "x"})):
-        groups_axes.plot(steps, values(f"dynamic_sampling/{name}"), label=label, **style)
-    asked = [kept + missing for kept, missing in zip(values("dynamic_sampling/groups_kept"),
-                                                     values("dynamic_sampling/groups_missing"))]
+        groups_axes.plot(steps, values(DYNAMIC_SAMPLING_PREFIX + name), label=label, **style)
+    asked = [kept + missing for kept, missing in zip(values(GROUPS_KEPT), values(GROUPS_MISSING))]
     groups_axes.plot(steps, asked, linestyle="--", color="black", label="asked (the rollout's tasks)")
     groups_axes.set(title="Task groups", xlabel=STEP_AXIS_LABEL, ylabel="task groups, all processes")
-    rounds_axes.bar(steps, values("dynamic_sampling/extra_rounds"))
+    rounds_axes.bar(steps, values(EXTRA_ROUNDS))
     rounds_axes.set(title="Extra rollout rounds", xlabel=STEP_AXIS_LABEL, ylabel="rounds after the first")
-    time_axes.plot(steps, values("timing/rollout_s"), marker="o", label="whole rollout (every round)")
-    time_axes.plot(steps, values("dynamic_sampling/extra_rollout_s"), marker="o", label="extra rounds")
+    time_axes.plot(steps, values(ROLLOUT_S), marker="o", label="whole rollout (every round)")
+    time_axes.plot(steps, values(EXTRA_ROLLOUT_S), marker="o", label="extra rounds")
     time_axes.set(title="Rollout time", xlabel=STEP_AXIS_LABEL, ylabel="seconds")
     for axes in (groups_axes, rounds_axes, time_axes):
         _step_axis(axes, steps)
@@ -307,7 +314,7 @@ def _plot_dynamic_sampling(train: list[dict[str, Any]]) -> Figure:
 
 
 def _dynamic_sampling(record: dict[str, Any]) -> bool:
-    return "dynamic_sampling/groups_rolled" in record["metrics"]
+    return GROUPS_ROLLED in record["metrics"]
 
 
 def _plot_metric(axes: Axes, train: list[dict[str, Any]], evaluation: list[dict[str, Any]], metric: str) -> None:
@@ -441,8 +448,8 @@ def _rollout_details(mode_name: str, name: str, record: dict[str, Any] | None, e
     summary = f"{mode_name} rollout {index}"
     if record is not None:
         metrics = record["metrics"]
-        summary += (f" · step {record['step']} · success rate {_number(metrics.get('env/success_rate'))}"
-                    f" · mean return {_number(metrics.get('env/return_mean'))}")
+        summary += (f" · step {record['step']} · success rate {_number(metrics.get(SUCCESS_RATE))}"
+                    f" · mean return {_number(metrics.get(RETURN_MEAN))}")
     summary += f" · {len(episodes)} sample episodes"
     body = "\n".join(_episode_details(episode) for episode in episodes) or "<p>No sample episodes recorded.</p>"
     return f'<details class="rollout"{" open" if open_ else ""}><summary>{summary}</summary>\n{body}\n</details>'

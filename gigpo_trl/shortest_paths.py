@@ -5,7 +5,7 @@ telling states apart by their anchors and replaying every path from `reset(seed=
 replays are deterministic (the same seed and actions give the same states), as the contract already asks of a task's
 copies. A game's `walkthrough` is no substitute: TextWorldExpress's coin collector walks at random to the coin. With a
 `prefix` of actions it searches from the state those actions reach instead of the start: the distance to a win of any
-state an episode visited (`bench/credit_probe.py` labels a step by the distances before and after it).
+state an episode visited (`research/credit_probe.py` labels a step by the distances before and after it).
 
 `seeds_by_optimal_steps` picks the tasks of a fold whose fewest winning steps lie in a range (e.g. a benchmark
 setting where every task needs at least 4 steps). A search replays O(states x actions x depth) steps, about a second a

@@ -128,6 +128,12 @@ class TaskArguments:
                              "eval_fold (0: no evaluation)."}
     )
     eval_fold: str = field(default="dev", metadata={"help": "Fold of the held-out tasks: 'dev' or 'test'."})
+    evaluate_before_training: bool = field(
+        default=True, metadata={"help": "Play the held-out panel before training too, the figure training is measured "
+                                "against. False skips it where that figure is known: runs that start from the same "
+                                "weights get the same figure from a greedy evaluation of the same panel, so a "
+                                "comparison of several runs needs it once."}
+    )
     min_optimal_steps: int = field(
         default=0, metadata={"help": "Keep only tasks whose fewest winning steps are at least this many, found by a "
                              "breadth-first search over the admissible actions (gigpo_trl.shortest_paths, cached on "

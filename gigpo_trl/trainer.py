@@ -3,45 +3,31 @@
 from __future__ import annotations
 
 import functools
-import math
 import os
 import textwrap
 import time
-import warnings
-from collections import defaultdict, deque
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import torch
-from accelerate.utils import DistributedType, gather_object
+from accelerate.utils import gather_object
 from datasets import Dataset
 from trl import GRPOTrainer
 
 from gigpo_trl.advantages import GiGPOAdvantages, compute_gigpo_advantages
 from gigpo_trl.batch import loss_batch, rows_for_update
 from gigpo_trl.config import GiGPOConfig
-from gigpo_trl.dynamic_sampling import (
-    SamplingCounts, StdFilterCounts, extra_task_rows, filter_by_return_std, sample_groups,
-)
+from gigpo_trl.dialogue import DUMMY_PROMPT, Completion, Dialogue, Messages, TextDialogue, Tools
+from gigpo_trl.dynamic_sampling import extra_task_rows, filter_by_return_std, sample_groups
 from gigpo_trl.env_pool import EnvPool
 from gigpo_trl.envs import TextEnv, env_factory
 from gigpo_trl.generation import completions_from_tokens, greedy_decoding, vllm_awake
-from gigpo_trl.loops import LOOP_WARNING, LoopAlarm, entropy_baseline, loop_warning_due
-from gigpo_trl.loss import entropy_bonus, next_entropy_coef, rollout_token_normalizer, row_chunks
-from gigpo_trl.metrics import (
-    GRAD_NORM_SPIKE_WINDOW, SINGLETON_WARNING, SINGLETON_WARNING_SHARE, PanelEpisode, RolloutSummary, RolloutTimes,
-    merged_pass_metrics, padding_free_row_metrics, panel_metrics, panel_tasks, rollout_metrics, trailing_ratio,
-)
+from gigpo_trl.loss import GiGPOLossMixin
+from gigpo_trl.metrics import PanelEpisode, RolloutTimes
 from gigpo_trl.models import resolve_model
 from gigpo_trl.prompts import PromptTemplate, load_template, template_for
-from gigpo_trl.records import (
-    count_rollouts, episode_records, iteration_record, write_evaluation, write_records, write_update,
-)
-from gigpo_trl.report import ReportCallback
-from gigpo_trl.rollout import (
-    DUMMY_PROMPT, Completion, Dialogue, Messages, Rollout, TextDialogue, Tools, collect_rollout,
-)
+from gigpo_trl.rollout import Rollout, collect_rollout
+from gigpo_trl.run_logs import RunLogsMixin
 from gigpo_trl.tasks import Task, check_task_datasets, row_tasks, tasks_from_rows
 from gigpo_trl.trl_environment import (
     ToolCallDialogue, TRLEnvironment, check_tool_chat_template, checked_trainer_arguments,
@@ -54,7 +40,7 @@ def environment_reward(completions: list, **kwargs: Any) -> list[float]:
     raise RuntimeError("GiGPOTrainer takes rewards from the environment; environment_reward is never called")
 
 
-class GiGPOTrainer(GRPOTrainer):
+class GiGPOTrainer(GiGPOLossMixin, RunLogsMixin, GRPOTrainer):
     """
     Trainer for Group-in-Group Policy Optimization (GiGPO), from "Group-in-Group Policy Optimization for
     LLM Agent Training" (arXiv 2505.10978).
@@ -64,7 +50,8 @@ class GiGPOTrainer(GRPOTrainer):
     advantage is an episode advantage over the group's trajectories plus `step_advantage_weight` times a
     step advantage over the steps of the group taken in the same state (`compute_gigpo_advantages`).
 
-    What changes w.r.t. `GRPOTrainer`:
+    What changes w.r.t. `GRPOTrainer` (the loss path in `GiGPOLossMixin`, `gigpo_trl.loss`; the logging in
+    `RunLogsMixin`, `gigpo_trl.run_logs`; the rest here):
     - `_generate_and_score_completions` runs the rollout (generating through the parent's `_generate_single_turn`,
       so transformers, vLLM colocate and vLLM server generation all work), computes the advantages (with dynamic
       sampling, `dynamic_sampling_max_rounds`, plays more rounds of tasks until enough task groups carry a signal;
@@ -76,7 +63,7 @@ class GiGPOTrainer(GRPOTrainer):
       evaluation loss likewise (the parent runs one forward pass over the whole rollout).
     - `_compute_loss` calls the parent's, corrects its per-row metrics for the padding rows, and subtracts the entropy
       bonus (`entropy_coef`) as a token mean over the rollout, where the parent's is a mean per micro-batch
-      (`gigpo_trl.loss`); `_get_per_token_logps_and_entropies` keeps the entropies of the loss's pass for it.
+      (`entropy_bonus`); `_get_per_token_logps_and_entropies` keeps the entropies of the loss's pass for it.
     - `evaluate` keeps its time out of `timing/update_s`; `log` first recomputes an evaluation's episode metrics over
       its distinct tasks, and adds to a training step's log its gradient norm's spike ratio, checks it for a policy
       that loops (`gigpo_trl.loops`) and records it for the report.
@@ -183,29 +170,12 @@ class GiGPOTrainer(GRPOTrainer):
                                          anchor=args.tool_anchor, max_steps=args.max_env_steps)
             self.env_name = getattr(environment_factory, "__name__", type(environment_factory).__name__)
             self.dialogue = ToolCallDialogue(self.processing_class, args.history_length)
-        # TRL's entropy bonus averages per micro-batch; GiGPO's is a token mean over the rollout (`_compute_loss`).
-        self._rollout_entropy_bonus, self._entropy_bonus_enabled = self._entropy_bonus_enabled, False
-        self._loss_entropies: torch.Tensor | None = None  # of the loss's latest forward pass
-        self._pass_counts: list[tuple[int, int]] = []  # real rows and tokens (all processes) of a micro-batch's passes
+        self._setup_loss()
         self._pools: dict[str, EnvPool] = {}
         self._last_rollout_end: float | None = None  # of the latest training rollout
         self._seconds_outside_updates = 0.0  # evaluation time since then, which is not the update's
-        self._warned_singletons = False
-        self._grad_norms: deque[float] = deque(maxlen=GRAD_NORM_SPIKE_WINDOW)  # of the latest logged training steps
-        self._logged_entropies: list[float] = []  # the policy entropy of every logged training step
-        self._loop_alarm: LoopAlarm | None = None  # the last loop warning
-        self._rollouts_recorded = count_rollouts(args.output_dir)
         self.last_rollout: Rollout | None = None  # the latest rollout of this process (trajectories, for reports)
-        self._eval_episodes: list[PanelEpisode] = []  # this process's evaluation episodes since the last log
-        self.add_callback(ReportCallback())
-        # TRL keeps the completion logs of the latest rollout: one entry per trajectory there, up to
-        # max_env_steps step samples per trajectory (of every round of dynamic sampling) here.
-        samples_per_rollout = args.generation_batch_size * args.max_env_steps * (1 + args.dynamic_sampling_max_rounds)
-        self._logs = {
-            key: defaultdict(lambda: deque(maxlen=samples_per_rollout)) if key in ("rewards", "extra")
-            else deque(maxlen=samples_per_rollout)
-            for key in self._logs
-        }
+        self._setup_run_logs()
 
     # ------------------------------------------------------------------------------------------
     # The rollout -> advantages -> batch script.
@@ -385,181 +355,6 @@ class GiGPOTrainer(GRPOTrainer):
     def _max_across_processes(self, value: int) -> int:
         return int(self.accelerator.gather(torch.tensor([value], device=self.accelerator.device)).max().item())
 
-    # ------------------------------------------------------------------------------------------
-    # The loss and evaluation, as GRPOTrainer's with padding rows left out.
-    # ------------------------------------------------------------------------------------------
-
-    def compute_loss(self, model, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch=None):
-        """GRPOTrainer's loss of a training micro-batch, in passes of at most max_step_samples_per_micro_batch rows
-        (`_loss_in_passes`), whose gradients are accumulated: the same loss and gradient as one pass, with the peak
-        memory of one pass."""
-        if not self.model.training:
-            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        loss = self._loss_in_passes(model, inputs, self.args.max_step_samples_per_micro_batch, backward=True)
-        if self._rollout_entropy_bonus and self.use_adaptive_entropy and self.accelerator.sync_gradients:
-            self._adapt_entropy_coef()
-        return loss
-
-    def _loss_in_passes(self, model, inputs: dict[str, Any], size: int | None, *, backward: bool) -> torch.Tensor:
-        """GRPOTrainer's loss of a micro-batch computed over its row chunks of at most `size` rows
-        (`gigpo_trl.loss.row_chunks`) and summed: exact for the allowed loss types, which sum over tokens and divide by
-        the whole rollout's token count; every process makes the same number of passes (its row count is the same).
-        With `backward`, every pass but the last is backpropagated here, its gradients accumulated without a sync or an
-        optimizer step, and the last is returned for the Trainer's backward pass, carrying the earlier passes' loss as
-        a constant. The loss metrics the passes log are merged into the micro-batch's (`merged_pass_metrics`)."""
-        mode = "train" if self.model.training else "eval"
-        logged = {key: len(values) for key, values in self._metrics[mode].items()}
-        self._pass_counts = []
-        chunks = row_chunks(inputs, size)
-        earlier = 0.0
-        for chunk in chunks[:-1]:
-            loss = super().compute_loss(model, chunk)
-            if backward:
-                self._backward_accumulating(model, loss)
-            earlier = earlier + loss.detach()
-        loss = super().compute_loss(model, chunks[-1]) + earlier
-        if len(chunks) > 1:
-            self._merge_pass_metrics(mode, logged)
-        return loss
-
-    def _merge_pass_metrics(self, mode: str, logged: dict[str, int]) -> None:
-        """One value per loss metric for a micro-batch that ran in several passes, as one pass would have logged it.
-        Passes without a real row (on every process) log nothing (`_compute_loss`); a metric logged once per pass that
-        held real rows is merged, any other (logged once per micro-batch) left as it is."""
-        counts = [(rows, tokens) for rows, tokens in self._pass_counts if rows]
-        for key, values in self._metrics[mode].items():
-            passes = values[logged.get(key, 0):]
-            if len(passes) > 1 and len(passes) == len(counts):
-                merged = merged_pass_metrics(passes, [r for r, _ in counts], [t for _, t in counts], key,
-                                             self.importance_sampling_level)
-                values[logged.get(key, 0):] = [merged]
-
-    def _backward_accumulating(self, model, loss: torch.Tensor) -> None:
-        """The backward pass of a chunk that is not its micro-batch's last: the Trainer's (`accelerator.backward`),
-        with the gradients kept for the next chunk: no all-reduce (DDP, FSDP), no DeepSpeed accumulation boundary,
-        no optimizer step."""
-        if self.accelerator.distributed_type == DistributedType.DEEPSPEED:
-            self.accelerator.deepspeed_engine_wrapped.backward(loss, sync_gradients=False, scale_wrt_gas=False)
-        else:
-            with self.accelerator.no_sync(model):
-                self.accelerator.backward(loss)
-
-    def _get_per_token_logps_and_entropies(self, *args: Any, **kwargs: Any):
-        """GRPOTrainer's forward pass; the entropies of the loss's pass (`compute_entropy`) are kept for the entropy
-        bonus of `_compute_loss`."""
-        outputs = super()._get_per_token_logps_and_entropies(*args, **kwargs)
-        if kwargs.get("compute_entropy"):
-            self._loss_entropies = outputs[1]
-        return outputs
-
-    def _compute_loss(self, model, inputs: dict[str, Any]) -> torch.Tensor:
-        """GRPOTrainer's loss (exact under padding rows: see SUPPORTED_LOSS_TYPES) minus the entropy bonus as a token
-        mean over the rollout (`gigpo_trl.loss`), with its metrics made to leave the padding rows out: a micro-batch
-        holding only padding rows (on every process) logs nothing, and the metrics with one value per row count real
-        rows only."""
-        mode = "train" if self.model.training else "eval"
-        logged = {key: len(values) for key, values in self._metrics[mode].items()}
-        loss = super()._compute_loss(model, inputs)
-        entropies, self._loss_entropies = self._loss_entropies, None
-        loss_mask = inputs["completion_mask"] * inputs["tool_mask"]
-        real_rows = (inputs["tool_mask"].sum(dim=1) > 0).sum()
-        counts = torch.stack([real_rows, torch.tensor(inputs["tool_mask"].size(0), device=real_rows.device), loss_mask.sum()])
-        real, total, tokens = self.accelerator.reduce(counts, "sum").tolist()
-        self._pass_counts.append((real, tokens))
-        added = {key: values for key, values in self._metrics[mode].items() if len(values) > logged.get(key, 0)}
-        if real == 0:
-            for key, values in added.items():
-                del values[logged.get(key, 0):]
-        elif real < total:
-            per_row = {key: values[-1] for key, values in added.items()}
-            for key, value in padding_free_row_metrics(per_row, real, total, self.importance_sampling_level).items():
-                self._metrics[mode][key][-1] = value
-        if self._rollout_entropy_bonus:
-            loss = loss - self._entropy_bonus(entropies, inputs, mode)
-        return loss
-
-    def _entropy_bonus(self, entropies: torch.Tensor, inputs: dict[str, Any], mode: str) -> torch.Tensor:
-        """This micro-batch's share of `entropy_coef` times the rollout's token-mean entropy (`gigpo_trl.loss`). Under
-        `top_entropy_quantile` < 1 it acts on the tokens the policy term trains, as TRL's; under `use_adaptive_entropy`
-        the coefficient applies while the previous step's entropy is at or below `entropy_target` (TRL's rule), and
-        this step's entropy is summed for the next update of the coefficient (`_adapt_entropy_coef`)."""
-        mask = inputs["completion_mask"] * inputs["tool_mask"]
-        if self.top_entropy_quantile < 1.0:
-            mask = mask * self.get_high_entropy_mask(entropies, mask, 1 - self.top_entropy_quantile)
-        normalizer = rollout_token_normalizer(
-            inputs["num_items_in_batch"], num_processes=self.accelerator.num_processes,
-            # set by the Trainer's training loop only (an evaluation may run before it)
-            accumulation_steps=self.current_gradient_accumulation_steps if mode == "train" else None,
-            steps_per_generation=self.args.steps_per_generation)
-        coef = self.entropy_coef
-        if self.use_adaptive_entropy:
-            coef = coef if self._last_world_entropy <= self.args.entropy_target else 0.0
-            if mode == "train":
-                window = torch.stack([(entropies * mask).sum(), mask.sum()]).detach()
-                self._entropy_window_stats = window if self._entropy_window_stats is None else self._entropy_window_stats + window
-        if mode == "train" and self.accelerator.sync_gradients and not self.use_adaptive_entropy:
-            self._metrics[mode]["entropy_coef"].append(coef)
-        return entropy_bonus(entropies, mask, normalizer, coef)
-
-    def _adapt_entropy_coef(self) -> None:
-        """At an optimizer step: the rollout's token-mean entropy over the step's micro-batches and processes moves the
-        adaptive coefficient (`next_entropy_coef`), which the next step applies; logged as `entropy_coef`."""
-        totals = self.accelerator.reduce(self._entropy_window_stats, reduction="sum")
-        self._last_world_entropy = (totals[0] / totals[1].clamp(min=1.0)).item()
-        self.entropy_coef = next_entropy_coef(
-            self.entropy_coef, self._last_world_entropy, target=self.args.entropy_target,
-            delta=self.args.entropy_coef_delta, minimum=self.args.entropy_coef_min, maximum=self.args.entropy_coef_max)
-        self._entropy_window_stats = None
-        self._metrics["train"]["entropy_coef"].append(self.entropy_coef)
-
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        """GRPOTrainer's log; an evaluation's episode metrics are first recomputed over its distinct tasks, those it
-        could not play left out and named (`eval_env/panel_unplayed_tasks`, a text, logged only when there are any); a
-        training step's log gets `grad_norm/spike`, is checked for a policy that loops, and is recorded."""
-        training_step = self.model.training and "loss" in logs  # not the closing summary of `train()`
-        if not self.model.training:
-            episodes = gather_object(self._eval_episodes)
-            self._eval_episodes = []
-            metrics = panel_metrics(episodes)
-            played, unplayed = panel_tasks(episodes)
-            for name, value in metrics.items():
-                self._metrics["eval"][name] = [value]
-            if unplayed:
-                logs["eval_env/panel_unplayed_tasks"] = "; ".join(unplayed)
-                if self.accelerator.is_main_process:
-                    warnings.warn(_unplayed_message(played, unplayed), stacklevel=2)
-            if self.accelerator.is_main_process and metrics:
-                write_evaluation(self.args.output_dir, self.state.global_step, metrics, played, unplayed)
-        elif training_step:
-            self._check_training_health(logs)
-        super().log(logs, start_time)  # adds the averages of `_metrics` to `logs`
-        if training_step and self.accelerator.is_main_process:
-            write_update(self.args.output_dir, self.state.global_step, logs)
-
-    def _check_training_health(self, logs: dict[str, float]) -> None:
-        """RAGEN's early warnings on a training step's log: the gradient norm over the median of the last
-        GRAD_NORM_SPIKE_WINDOW logged before it (`grad_norm/spike`), and the loop warning (`loop_warning_due`: the
-        training rollouts' revisit share high while the entropy falls), once and again each time it worsens."""
-        grad_norm = logs.get("grad_norm")
-        if grad_norm is not None and math.isfinite(grad_norm):
-            spike = trailing_ratio(grad_norm, self._grad_norms)
-            if spike is not None:
-                logs["grad_norm/spike"] = spike
-            self._grad_norms.append(grad_norm)
-        entropy, revisit_share = (self._logged_mean(name) for name in ("entropy", "loops/revisit_share"))
-        if entropy is None:
-            return
-        self._logged_entropies.append(entropy)
-        if revisit_share is not None and loop_warning_due(revisit_share, self._logged_entropies, self._loop_alarm):
-            self._loop_alarm = LoopAlarm(revisit_share, entropy)
-            warnings.warn(LOOP_WARNING.format(revisit=revisit_share, entropy=entropy,
-                                              start_entropy=entropy_baseline(self._logged_entropies)), stacklevel=2)
-
-    def _logged_mean(self, name: str) -> float | None:
-        """The mean of a training metric's values since the last log (NaN left out, as GRPOTrainer's log does)."""
-        values = [value for value in self._metrics["train"].get(name, []) if not math.isnan(value)]
-        return sum(values) / len(values) if values else None
-
     def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
         started = time.perf_counter()
         try:
@@ -567,73 +362,3 @@ class GiGPOTrainer(GRPOTrainer):
         finally:
             self._seconds_outside_updates += time.perf_counter() - started
 
-    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys: list[str] | None = None):
-        """The evaluation loss of a held-out rollout (GRPOTrainer's runs every row in one forward pass)."""
-        inputs = self._prepare_inputs(inputs)
-        with torch.no_grad(), self.compute_loss_context_manager():
-            size = self.args.max_step_samples_per_micro_batch or self.args.per_device_eval_batch_size
-            loss = self._loss_in_passes(model, inputs, size, backward=False)
-        return loss.detach(), None, None
-
-    # ------------------------------------------------------------------------------------------
-    # Metrics, records and completion logs of a rollout.
-    # ------------------------------------------------------------------------------------------
-
-    def _log_rollout_metrics(self, mode: str, rollout: Rollout, gigpo: GiGPOAdvantages, times: RolloutTimes,
-                             update_seconds: float | None, update_samples: list[int],
-                             sampling: SamplingCounts | None, std_filter: StdFilterCounts | None) -> dict[str, float]:
-        """The rollout's metrics over all processes (`gigpo_trl.metrics`) into TRL's `_metrics`; returns them."""
-        summary = RolloutSummary.of(rollout, gigpo, times, max_completion_length=self.max_completion_length,
-                                    end_token_ids={*self.eos_token_ids, self._tokenizer.pad_token_id},
-                                    update_samples=update_samples, sampling=sampling, std_filter=std_filter)
-        summaries = gather_object([summary])
-        metrics = rollout_metrics(summaries, update_seconds)
-        if mode == "train":
-            self.state.num_input_tokens_seen += sum(s.prompt_tokens + s.generated_tokens for s in summaries)
-        for name, value in metrics.items():
-            self._metrics[mode][name].append(value)
-        self._metrics[mode]["num_tokens"] = [self.state.num_input_tokens_seen]
-
-        if metrics.get("dynamic_sampling/groups_missing"):
-            warnings.warn(_short_update_message(metrics), stacklevel=2)
-        # Evaluation plays num_generations_eval copies, often 1: its step groups say nothing about the anchors.
-        singleton_share = metrics["gigpo/singleton_share"]
-        if mode == "train" and metrics["gigpo/num_step_groups"] and singleton_share > SINGLETON_WARNING_SHARE \
-                and not self._warned_singletons:
-            self._warned_singletons = True
-            warnings.warn(SINGLETON_WARNING.format(share=singleton_share), stacklevel=2)
-        return metrics
-
-    def _write_records(self, mode: str, metrics: dict[str, float], rollout: Rollout, gigpo: GiGPOAdvantages) -> None:
-        """The rollout's record and sample episodes for the run report (see `gigpo_trl.records`)."""
-        parts = gather_object([(gigpo.step_group_sizes, gigpo.episode_advantages, gigpo.step_advantages)])
-        if self.accelerator.is_main_process:
-            record = iteration_record(self.state.global_step, mode, self._rollouts_recorded[mode], metrics, parts)
-            self._rollouts_recorded[mode] += 1
-            write_records(self.args.output_dir, record, episode_records(rollout, gigpo, self.args.log_trajectories))
-
-    def _log_step_samples(self, rollout: Rollout, advantages: np.ndarray) -> None:
-        """Feed TRL's completion logs (`log_completions`): one entry per step sample."""
-        steps = rollout.steps
-        self._logs["prompt"].extend(gather_object(steps.prompt))
-        self._logs["completion"].extend(gather_object([c.text for c in steps.completion]))
-        self._logs["rewards"]["environment_reward"].extend(gather_object(steps.reward))
-        self._logs["advantages"].extend(gather_object([float(a) for a in advantages]))
-
-
-def _short_update_message(metrics: dict[str, float]) -> str:
-    """The warning of an update that holds fewer task groups with a signal than asked: dynamic sampling's limit."""
-    kept, missing = int(metrics["dynamic_sampling/groups_kept"]), int(metrics["dynamic_sampling/groups_missing"])
-    trains_on = f"trains on those {kept}" if kept else "has no step sample with a signal: it runs on zero-weight rows"
-    return (f"dynamic sampling: after {int(metrics['dynamic_sampling/extra_rounds'])} extra round(s) (the limit, "
-            f"dynamic_sampling_max_rounds) the update holds {kept} task group(s) with a signal of the {kept + missing} "
-            f"asked, and {trains_on}; {int(metrics['dynamic_sampling/groups_dropped'])} of the "
-            f"{int(metrics['dynamic_sampling/groups_rolled'])} groups rolled had none (logged as dynamic_sampling/*)")
-
-
-def _unplayed_message(played: list[str], unplayed: dict[str, str]) -> str:
-    """The warning of an evaluation that could not play every task of its panel."""
-    reasons = "; ".join(f"{task}: {reason}" for task, reason in unplayed.items())
-    return (f"the evaluation played {len(played)} of its {len(played) + len(unplayed)} held-out tasks: its figures are "
-            f"over those {len(played)} (logged as eval_env/panel_unplayed, eval_env/panel_unplayed_tasks). Could not be "
-            f"played, after env_reset_attempts resets each: {reasons}")

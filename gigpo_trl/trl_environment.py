@@ -63,8 +63,8 @@ import numpy as np
 
 from gigpo_trl.env_base import BaseTextEnv
 from gigpo_trl.envs import INFO_ANCHOR, INFO_ANCHOR_KIND, INFO_TASK, INFO_TASK_TYPE, INFO_WON
+from gigpo_trl.dialogue import Completion, Exchange, Messages, Tools
 from gigpo_trl.parsing import ParsedAction
-from gigpo_trl.rollout import Completion, EnvOutput, Exchange, Messages, Tools
 
 ANCHOR_MODES = ("state", "tool_calls")
 # Methods of an environment class that are not tools: TRL's two, and GiGPO's anchor hook.

@@ -52,7 +52,8 @@ def main(task_args: TaskArguments, training_args: GiGPOConfig, model_args: Model
               f"A = A_E + {training_args.step_advantage_weight:g} * A_S, step value lambda "
               f"{training_args.step_advantage_lambda:g}")
     train_and_report(trainer, training_args.resume_from_checkpoint,
-                     panel=f"Held-out success rate ({task_args.num_eval_tasks} tasks)")
+                     panel=f"Held-out success rate ({task_args.num_eval_tasks} tasks)",
+                     evaluate_first=task_args.evaluate_before_training)
     if training_args.push_to_hub:
         trainer.push_to_hub()
 

@@ -8,7 +8,7 @@ import json
 import random
 import re
 
-from gigpo_trl.rollout import Completion
+from gigpo_trl.dialogue import Completion
 from gigpo_trl.trainer import GiGPOTrainer
 
 

@@ -1,4 +1,4 @@
-"""compute_gigpo_advantages against GIGPO_SPEC.md sections 2-5."""
+"""compute_gigpo_advantages against its specification, docs/algorithm.md."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from naive_advantages import naive_gigpo_advantages
 
-from bench.bench_advantages import naive_gigpo_advantages
 from gigpo_trl.advantages import (
     EPSILON,
     StepGroupStats,
@@ -19,7 +19,7 @@ from gigpo_trl.advantages import (
     greedy_similarity_clusters,
 )
 
-# The worked example of the spec, section 4: one group, trajectories A (wins) and B (fails).
+# The worked example of docs/algorithm.md: one group, trajectories A (wins) and B (fails).
 WORKED = dict(
     rewards=[0, 0, 10, 0, 0, 0],
     group_ids=[0] * 6,
@@ -38,7 +38,8 @@ OPTIONS = st.fixed_dictionaries(
 )
 LAMBDA_OPTIONS = OPTIONS.flatmap(
     lambda options: st.sampled_from([0.0, 0.3, 0.9, 1.0]).map(lambda lam: {**options, "step_lambda": lam}))
-# Section 9's worked example: one group, three trajectories; A wins, B and C lose, C loops in s5.
+# The bootstrapped step value's worked example (docs/algorithm.md): one group, three trajectories; A wins, B and C
+# lose, C loops in s5.
 WORKED_LAMBDA = dict(
     rewards=[0, 0, 1, 0, 0, 0, 0, 0, 0],
     group_ids=[0] * 9,
@@ -248,7 +249,7 @@ def test_similarity_visits_anchors_in_first_step_order():
 
 
 # --------------------------------------------------------------------------------------------
-# Bootstrapped step values (section 9).
+# Bootstrapped step values (docs/algorithm.md).
 # --------------------------------------------------------------------------------------------
 
 
@@ -362,7 +363,7 @@ def test_similarity_grouping_does_not_depend_on_row_order(rows, seed):
 
 @settings(max_examples=150, deadline=None)
 @given(rows=step_rows(), options=LAMBDA_OPTIONS)
-def test_matches_the_per_row_python_reference(rows, options):  # section 9's bootstrapped step value included
+def test_matches_the_per_row_python_reference(rows, options):  # the bootstrapped step value included
     out = compute_gigpo_advantages(**columns(rows), **options)
     naive = naive_gigpo_advantages(**columns(rows), **options)
 

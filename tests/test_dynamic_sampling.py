@@ -17,6 +17,7 @@ from trainer_helpers import cpu_config, parameters
 
 from gigpo_trl.advantages import GiGPOAdvantages, compute_gigpo_advantages
 from gigpo_trl.config import GiGPOConfig
+from gigpo_trl.dialogue import DUMMY_PROMPT, Completion
 from gigpo_trl.dynamic_sampling import (
     SamplingCounts,
     StdFilterCounts,
@@ -32,7 +33,7 @@ from gigpo_trl.dynamic_sampling import (
 )
 from gigpo_trl.env_pool import EnvPool
 from gigpo_trl.records import read_trajectories
-from gigpo_trl.rollout import DUMMY_PROMPT, Completion, Rollout, collect_rollout, concatenate_rollouts
+from gigpo_trl.rollout import Rollout, collect_rollout, concatenate_rollouts
 from gigpo_trl.tasks import Task, task_dataset
 
 pytestmark = pytest.mark.timeout(300)

@@ -113,3 +113,32 @@ def test_the_evaluation_loss_runs_in_passes_of_at_most_the_bound_and_equals_one_
     metrics = trainer.evaluate()
     assert np.isfinite(metrics["eval_loss"]) and sizes and max(sizes) <= 3
     trainer.close_environments()
+
+
+def test_a_recipe_told_the_panel_figure_before_training_plays_it_after_training_only(tmp_path, tiny_model_path,
+                                                                                      capsys):
+    config = cpu_config(tmp_path, env_name="corridor", eval_greedy=True, per_device_eval_batch_size=2, max_steps=1)
+    trainer = ScriptedTrainer(tiny_model_path, args=config, train_dataset=task_dataset(range(4)),
+                              eval_dataset=task_dataset([100, 101]))
+
+    outcome = train_and_report(trainer, evaluate_first=False)
+
+    assert outcome.before is None and outcome.after["eval_env/panel_tasks"] == 2
+    assert [record["step"] for record in read_evaluations(tmp_path)] == [1]  # after the one update, not at step 0
+    assert (f"Held-out success rate: not played before training (evaluate_before_training false) -> "
+            f"{outcome.after['eval_env/success_rate']:.1%} after") in capsys.readouterr().out
+
+
+def test_the_panel_after_training_is_the_last_periodic_evaluation_when_the_run_made_one_at_its_last_step(
+        tmp_path, tiny_model_path):
+    config = cpu_config(tmp_path, env_name="corridor", eval_greedy=True, per_device_eval_batch_size=2, max_steps=2,
+                        eval_strategy="steps", eval_steps=1)
+    trainer = ScriptedTrainer(tiny_model_path, args=config, train_dataset=task_dataset(range(4)),
+                              eval_dataset=task_dataset([100, 101]))
+
+    outcome = train_and_report(trainer)
+
+    records = read_evaluations(tmp_path)
+    assert [record["step"] for record in records] == [0, 1, 2]  # before, then after each update: step 2 played once
+    assert outcome.before["eval_env/success_rate"] == records[0]["metrics"]["env/success_rate"]
+    assert outcome.after["eval_env/success_rate"] == records[-1]["metrics"]["env/success_rate"]

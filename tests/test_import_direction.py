@@ -2,7 +2,8 @@
 adapters, installed as `gigpo_trl.environments`): the environments import the core, never the other way round.
 
 What the core may hold of the environments: the registry's "module:attribute" strings (`gigpo_trl.envs`), which
-`make_env` imports by name when an environment of that name is made. Nothing else: no import statement, no
+`make_env` imports by name when an environment of that name is made (and `template_for` when its default prompt
+template is asked for). Nothing else: no import statement, no
 `importlib.import_module` of a literal name."""
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from gigpo_trl.envs import _REGISTRY
+from gigpo_trl.envs import _PROMPT_TEMPLATES, _REGISTRY
 
 ROOT = Path(__file__).resolve().parent.parent
 CORE = ROOT / "gigpo_trl"
@@ -80,7 +81,7 @@ def test_only_the_registry_names_environments_and_only_as_strings_imported_on_us
         strings = {node.value for node in ast.walk(ast.parse(path.read_text()))
                    if isinstance(node, ast.Constant) and isinstance(node.value, str)}
         named[module] = {text for text in strings if NAMES_AN_ENVIRONMENT.fullmatch(text)}
-    registry = {factory for factory in _REGISTRY.values() if isinstance(factory, str)}
+    registry = {entry for entry in [*_REGISTRY.values(), *_PROMPT_TEMPLATES.values()] if isinstance(entry, str)}
     assert registry and all(NAMES_AN_ENVIRONMENT.fullmatch(factory) for factory in registry)
     assert {module: strings for module, strings in named.items() if strings} == {"gigpo_trl.envs": registry}
 

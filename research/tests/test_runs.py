@@ -1,0 +1,149 @@
+"""research/runs.py and the command line of research/learning.py: the arms and their run folders, the processes'
+ports, and whole comparisons run one, two or six at a time on the tiny model."""
+
+from __future__ import annotations
+
+import csv
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+def test_runs_started_at_once_get_ports_of_their_own_unless_the_user_set_one(monkeypatch):
+    from research.runs import run_environment
+
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    ports = {run_environment()["MASTER_PORT"] for _ in range(2)}  # ephemeral ports: equal about once in 28,000
+    assert len(ports) == 2 and all(1024 < int(port) < 65536 for port in ports)
+    monkeypatch.setenv("MASTER_PORT", "31337")
+    assert run_environment()["MASTER_PORT"] == "31337"
+
+
+def test_an_arms_file_names_any_arms_and_its_control(tmp_path):
+    from research.runs import read_arms, recipe_value, run_directory
+
+    path = tmp_path / "arms.yaml"
+    path.write_text("arms:\n  history 0: [--history_length, 0]\n  history 2, T=1.0: [--history_length, 2, --temperature, 1.0]\n"
+                    "control: history 0\n")
+    arms, control = read_arms(path)
+    assert arms == {"history 0": ["--history_length", "0"],
+                    "history 2, T=1.0": ["--history_length", "2", "--temperature", "1.0"]}
+    assert control == "history 0"
+    assert run_directory(Path("out"), "history 2, T=1.0", 3) == Path("out/history-2-t-1.0-seed3")
+    assert run_directory(Path("out"), "GiGPO lambda 0.5", 0) == Path("out/gigpo-lambda0.5-seed0")  # as before
+    assert recipe_value(["--history_length", "0", "--history_length=2"], "history_length") == "2"
+    assert recipe_value(["--temperature", "1.0"], "history_length") is None
+
+    for text, problem in [
+        ("arms: {}\n", "expected a mapping with 'arms'"),
+        ("arms:\n  a: [--seed, 1]\n", "sets ['--seed'], which the bench sets for every run"),
+        ("arms:\n  a: [--history_length, 0]\ncontrol: b\n", "the control 'b' is not one of the arms ['a']"),
+        ("arms:\n  History 0: []\n  history-0: []\n", "two arms share a run folder"),
+        ("arms:\n  a: [--foo, {x: 1}]\n", "must be a string or a number"),
+        ("arms:\n  a: []\nreading: trap\n", "unknown keys ['reading']"),
+    ]:
+        path.write_text(text)
+        with pytest.raises(ValueError, match=re.escape(problem)):
+            read_arms(path)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_comparison_runs_six_processes_at_once_and_reports_the_pre_registered_decision(tiny_model_path, tmp_path):
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    command = [sys.executable, str(root / "research" / "learning.py"), "--parallel", "--config",
+               str(root / "research" / "configs" / "learning_rooms_cpu.yaml"), "--model", tiny_model_path, "--output",
+               str(tmp_path), "--max_steps", "2", "--num_eval_tasks", "4", "--per_device_eval_batch_size", "4",
+               "--eval_steps", "1"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=root)
+
+    assert result.returncode == 0, result.stderr[-4000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert len(summary["wall_seconds"]) == 6 and summary["decision"].startswith(("decided", "undecided"))
+    rows = (tmp_path / "learning_curves.csv").read_text().splitlines()[1:]
+    assert {(row.split(",")[0], row.split(",")[1]) for row in rows} == {
+        (method, str(seed)) for method in ("GiGPO", "GRPO (omega=0)") for seed in range(3)}
+    assert (tmp_path / "learning_curves.png").is_file()
+    # --analyze-only compares what the runs have written so far: here one run has no records (not started).
+    shutil.rmtree(tmp_path / "gigpo-seed2" / "gigpo")
+    subprocess.run([*command[:2], "--analyze-only", "--output", str(tmp_path)], check=True, capture_output=True, cwd=root)
+    rows = (tmp_path / "learning_curves.csv").read_text().splitlines()[1:]
+    assert len({(row.split(",")[0], row.split(",")[1]) for row in rows}) == 5
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_lambda_arm_runs_beside_gigpo_and_grpo_and_is_compared_with_both(tiny_model_path, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    command = [sys.executable, str(root / "research" / "learning.py"), "--step-lambda", "0.5", "--seeds", "0", "--config",
+               str(root / "research" / "configs" / "learning_rooms_cpu.yaml"), "--model", tiny_model_path, "--output",
+               str(tmp_path), "--max_steps", "2", "--num_eval_tasks", "4", "--per_device_eval_batch_size", "4",
+               "--eval_steps", "1"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=root)
+
+    assert result.returncode == 0, result.stderr[-4000:]
+    # Each run's recipe says which advantage it trains with.
+    assert "A = A_E + 1 * A_S, step value lambda 0.5" in (tmp_path / "gigpo-lambda0.5-seed0.log").read_text()
+    assert "A = A_E + 1 * A_S, step value lambda 1" in (tmp_path / "gigpo-seed0.log").read_text()
+    assert "A = A_E + 0 * A_S, step value lambda 1" in (tmp_path / "grpo-seed0.log").read_text()
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["methods"] == ["GiGPO", "GRPO (omega=0)", "GiGPO lambda 0.5"]
+    assert set(summary["decisions"]) == {"GiGPO against GRPO (omega=0)", "GiGPO lambda 0.5 against GRPO (omega=0)",
+                                         "GiGPO lambda 0.5 against GiGPO"}
+    assert set(summary["first_step_at_train_success"]["GiGPO lambda 0.5"]) == {"0.5", "0.8"}
+    # --analyze-only finds the third arm from its folder.
+    subprocess.run([*command[:2], "--analyze-only", "--seeds", "0", "--output", str(tmp_path)], check=True,
+                   capture_output=True, cwd=root)
+    assert json.loads((tmp_path / "summary.json").read_text())["methods"] == summary["methods"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_named_arms_run_two_at_a_time_and_are_read_again_from_their_output(tiny_model_path, tmp_path):
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    arms = tmp_path / "arms.yaml"
+    arms.write_text("arms:\n  no history: [--history_length, 0]\n  history 2, T=1: [--history_length, 2, --temperature, 1.0]\n"
+                    "control: no history\n")
+    output = tmp_path / "out"
+    command = [sys.executable, str(root / "research" / "learning.py"), "--arms", str(arms), "--jobs", "2", "--seeds", "0",
+               "--config", str(root / "research" / "configs" / "learning_trap_cpu.yaml"), "--model", tiny_model_path,
+               "--output", str(output), "--max_steps", "2", "--num_eval_tasks", "4", "--per_device_eval_batch_size", "4",
+               "--eval_steps", "1"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=root)
+
+    assert result.returncode == 0, result.stderr[-4000:]
+    # Each run trained with its arm's arguments (its log's first line is its command).
+    commands = {name: (output / f"{name}-seed0.log").read_text().splitlines()[0] for name in ("no-history", "history-2-t-1")}
+    assert "--history_length 0 --seed 0" in commands["no-history"]
+    assert "--history_length 2 --temperature 1.0 --seed 0" in commands["history-2-t-1"]
+    summary = json.loads((output / "summary.json").read_text())
+    assert summary["methods"] == ["no history", "history 2, T=1"] and summary["control"] == "no history"
+    assert set(summary["decisions"]) == {"history 2, T=1 against no history"} and "decision" not in summary
+    assert set(summary["cpu_seconds"]) == {"no history seed 0", "history 2, T=1 seed 0"}
+    assert all(seconds > 0 for seconds in summary["cpu_seconds"].values())
+    reading = summary["trap_reading"]
+    assert reading["control"].startswith("no history: trap") and set(reading["arms"]) == set(summary["methods"])
+    rows = list(csv.DictReader((output / "learning_curves.csv").open()))
+    train = [row for row in rows if row["mode"] == "train"]
+    assert len(train) == 4 and all(0 <= float(row["revisit_share"]) <= 1 for row in train)  # loops/*, logged
+    assert all(0 <= float(row[f"success_treasure_{side}"]) <= 1 or np.isnan(float(row[f"success_treasure_{side}"]))
+               for row in train for side in ("west", "east"))
+    assert any(not np.isnan(float(row["success_treasure_west"])) for row in train)
+    # --analyze-only reads the arms the runs were started with (OUTPUT/arms.yaml).
+    subprocess.run([*command[:2], "--analyze-only", "--seeds", "0", "--config", command[9], "--output", str(output)],
+                   check=True, capture_output=True, cwd=root)
+    assert json.loads((output / "summary.json").read_text())["methods"] == summary["methods"]
