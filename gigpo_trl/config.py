@@ -15,6 +15,7 @@ from trl import GRPOConfig
 
 from gigpo_trl.advantages import EPISODE_STATS_MODES, NORM_MODES
 from gigpo_trl.dynamic_sampling import SIGNAL_MODES, std_filter_kept_count
+from gigpo_trl.vllm_lora import VLLM_LORA_SYNC_MODES
 
 # Loss types whose normalization ignores rows with a zero loss mask (the rows that keep processes in lock-step):
 # they divide by the token count of the whole generation batch (`num_items_in_batch`). "grpo", "sapo", "dr_grpo"
@@ -152,6 +153,17 @@ class GiGPOConfig(GRPOConfig):
     eval_greedy: bool = field(
         default=False,
         metadata={"help": "Play the held-out tasks of evaluate() with greedy decoding instead of sampling."},
+    )
+    vllm_lora_sync: str = field(
+        default="merged",
+        metadata={"help": "How vLLM generates with a LoRA model (use_vllm with a PEFT model). 'merged': after every "
+                  "update each adapted layer's merged weight W + scaling * B @ A is computed (out of place: the base "
+                  "stays bit-identical) and the whole model is loaded into vLLM. 'adapter': vLLM is started with LoRA "
+                  "enabled (the adapter's rank) and keeps the base weights it loaded; after every update only the "
+                  "adapter is written to a temporary folder and loaded as a new version, which every generation names: "
+                  "a sync moves the adapter's bytes instead of the model's, ZeRO-3 gathers the adapter only, and a "
+                  "4-bit (QLoRA) base, which cannot be merged, generates with vLLM. vllm_mode='colocate' only. The "
+                  "measured costs of both: docs/launching.md.", "choices": list(VLLM_LORA_SYNC_MODES)},
     )
     max_step_samples_per_micro_batch: int | None = field(
         default=None,
@@ -300,6 +312,7 @@ class GiGPOConfig(GRPOConfig):
         if self.dynamic_sampling_signal not in SIGNAL_MODES:
             problems.append(f"dynamic_sampling_signal={self.dynamic_sampling_signal!r} is not one of {SIGNAL_MODES}")
         problems += self._reward_std_filter_problems()
+        problems += self._vllm_lora_sync_problems()
         if self.loss_type not in SUPPORTED_LOSS_TYPES:
             problems.append(
                 f"loss_type={self.loss_type!r} normalizes per row or per micro-batch, so the zero-weight rows that keep "
@@ -327,6 +340,22 @@ class GiGPOConfig(GRPOConfig):
             )
         if problems:
             raise ValueError("invalid GiGPOConfig: " + "; ".join(problems))
+
+    def _vllm_lora_sync_problems(self) -> list[str]:
+        """A mode that is not one of VLLM_LORA_SYNC_MODES, or the adapter mode where vLLM would not apply it."""
+        if self.vllm_lora_sync not in VLLM_LORA_SYNC_MODES:
+            return [f"vllm_lora_sync={self.vllm_lora_sync!r} is not one of {VLLM_LORA_SYNC_MODES}"]
+        if self.vllm_lora_sync != "adapter":
+            return []
+        if not self.use_vllm:
+            return ["vllm_lora_sync='adapter' says how vLLM gets the adapter, and use_vllm=False generates without "
+                    "vLLM: set use_vllm=True, or leave vllm_lora_sync at 'merged'"]
+        if self.vllm_mode != "colocate":
+            return [f"vllm_lora_sync='adapter' runs with vllm_mode='colocate' only, got vllm_mode={self.vllm_mode!r}: "
+                    "TRL 1.16's server client names no adapter in its generation requests and sends weights by NCCL "
+                    "broadcast, and vLLM's server loads adapters from files on its own machine. Use vllm_mode='colocate' "
+                    "(one GPU, the LoRA setting), or vllm_lora_sync='merged' with the server"]
+        return []
 
     def _reward_std_filter_problems(self) -> list[str]:
         """A ratio that is not a number in (0, 1], or one below 1 that keeps every task group of a rollout."""

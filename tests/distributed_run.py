@@ -1,7 +1,9 @@
 """Launched by tests/test_distributed.py (torchrun) and tests/test_deepspeed.py (`accelerate launch` with the
 recipes' DeepSpeed configs): a short scripted GiGPO run whose tasks make the processes' episodes very uneven; the
 main process writes what the run did as JSON (metrics.json) and every parameter before and after training
-(parameters.pt, ZeRO-3 shards gathered); with --lora, what vLLM's weight sync would load after 3 syncs too.
+(parameters.pt, ZeRO-3 shards gathered); with --lora, what vLLM's weight sync would load after 3 syncs too, in each
+mode of vllm_lora_sync (merged: the merged weights; adapter: the adapter's files, and whether only the adapter's
+parameters were gathered for them).
 
     python -m torch.distributed.run --nproc_per_node 2 tests/distributed_run.py MODEL_DIR OUTPUT_DIR [ENV_NAME] [options]
     accelerate launch --config_file recipes/accelerate/deepspeed_zero3.yaml --num_processes 2 --mixed_precision no \\
@@ -27,6 +29,8 @@ import json
 import os
 from pathlib import Path
 
+from contextlib import contextmanager
+
 import torch
 from accelerate.utils import gather_object
 from datasets import Dataset
@@ -39,6 +43,7 @@ from bench.gpu_check import parameter_snapshot
 from gigpo_trl.config import GiGPOConfig
 from gigpo_trl.envs import register_env
 from gigpo_trl.tasks import task_dataset
+from gigpo_trl.vllm_lora import write_adapter
 from gigpo_trl.weight_sync import sync_lora_out_of_place
 
 TRAJECTORIES = 8  # per rollout, over all processes: 4 tasks x 2 copies
@@ -79,6 +84,8 @@ def main(options: argparse.Namespace) -> None:
     before = parameter_snapshot(trainer.model)
     trainer.train(resume_from_checkpoint=options.resume_from)
     synced = lora_syncs(trainer) if options.lora else None
+    adapter = adapter_sync(trainer, Path(options.output_dir, f"adapter-{trainer.accelerator.process_index}")) \
+        if options.lora else None
     after = parameter_snapshot(trainer.model)
     rollouts = {"train": rollout_facts(trainer)}
     evaluation = {}
@@ -92,7 +99,8 @@ def main(options: argparse.Namespace) -> None:
         Path(options.output_dir, "metrics.json").write_text(json.dumps({
             "processes": trainer.accelerator.num_processes, "logs": logs, "evaluation": evaluation, "rollouts": rollouts,
             **backend}))
-        torch.save({"before": before, "after": after, "synced": synced}, Path(options.output_dir, "parameters.pt"))
+        torch.save({"before": before, "after": after, "synced": synced, "adapter": adapter},
+                   Path(options.output_dir, "parameters.pt"))
     # An orderly end: no process tears its gloo connections down while another still uses them (CI once saw process 1
     # abort, SIGABRT, at the end of a run that passes here every time).
     trainer.accelerator.wait_for_everyone()
@@ -108,6 +116,26 @@ def lora_syncs(trainer: ScriptedTrainer, count: int = 3) -> dict[str, torch.Tens
     for _ in range(count):
         weights = {name: tensor.cpu().clone() for name, tensor in generation._iter_named_params()}
     return weights
+
+
+def adapter_sync(trainer: ScriptedTrainer, folder: Path) -> dict:
+    """What the adapter mode's sync writes for vLLM (`write_adapter` with TRL's gathering), without a vLLM engine: the
+    adapter's tensors as written, and whether the parameters gathered were the adapter's and only those."""
+    from safetensors.torch import load_file
+
+    backend = engineless_vllm_backend(trainer.model, trainer.accelerator)._dist
+    gathered = []
+
+    @contextmanager
+    def recording_gather(params):
+        gathered.extend(params)
+        with backend.gather_params(gathered):
+            yield
+
+    write_adapter(trainer.model, "default", folder, gather=recording_gather)
+    adapter = {id(param) for name, param in trainer.model.named_parameters() if "lora_" in name}
+    return {"tensors": load_file(folder / "adapter_model.safetensors"),
+            "gathered_adapter_only": {id(param) for param in gathered} == adapter and len(gathered) == len(adapter)}
 
 
 def rollout_facts(trainer: ScriptedTrainer) -> dict:

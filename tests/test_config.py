@@ -31,6 +31,10 @@ TRL_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "
         ({"step_advantage_lambda": "0.5"}, r"step_advantage_lambda='0.5' must be a number in \[0, 1\]"),
         ({"dynamic_sampling_signal": "std"}, r"dynamic_sampling_signal='std' is not one of \('returns', 'advantages'\)"),
         ({"env_kwargs": "{not json"}, "env_kwargs must be a dict or a JSON object string"),
+        ({"vllm_lora_sync": "lora"}, r"vllm_lora_sync='lora' is not one of \('merged', 'adapter'\)"),
+        ({"vllm_lora_sync": "adapter"}, "use_vllm=False generates without vLLM"),
+        ({"vllm_lora_sync": "adapter", "use_vllm": True, "vllm_mode": "server"},
+         "vllm_lora_sync='adapter' runs with vllm_mode='colocate' only, got vllm_mode='server'"),
     ],
 )
 def test_config_rejects_invalid_combinations_naming_the_fields(tmp_path, overrides, message):

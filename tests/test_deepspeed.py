@@ -166,6 +166,15 @@ def test_zero3_lora_weight_sync_hands_vllm_the_merged_gathered_weights_under_vll
     assert merged == 14  # the 7 linear layers of each of the tiny model's 2 decoder layers
 
 
+def test_zero3_lora_adapter_sync_gathers_the_adapter_alone_and_writes_it_as_trained(zero3_lora):
+    written = parameters(zero3_lora)
+    adapter = written["adapter"]
+    assert adapter["gathered_adapter_only"]  # the sharded base stays sharded
+    trained = {name.replace(".default.", "."): value for name, value in written["after"].items() if "lora_" in name}
+    assert adapter["tensors"].keys() == trained.keys() and len(trained) == 28  # A and B of 14 adapted layers
+    assert all(torch.equal(adapter["tensors"][name], trained[name]) for name in trained)
+
+
 def test_zero3_checkpoint_resumes_at_its_step_with_its_weights(zero3, zero3_resumed):
     checkpoint = zero3["output_dir"] / "checkpoint-1"
     shards = {path.name for path in (checkpoint / "global_step1").iterdir()}

@@ -158,3 +158,15 @@ def test_a_vllm_run_must_log_finite_sampling_metrics_within_the_log_prob_toleran
                                               "with weights other than the trainer's"]
     missing = {**fine, "sampling/importance_sampling_ratio/mean": [1.0, None, float("nan")]}
     assert "sampling/importance_sampling_ratio/mean not logged and finite at every iteration" in gpu_check.vllm_problems(missing)[0]
+
+
+def test_an_adapter_mode_check_reports_its_sync_times_and_the_adapters_size():
+    figures = {"iterations": 3, "seconds_per_iteration": 9.5, "losses": [0.1, 0.2, 0.3], "env/success_rate": 0.0,
+               "generation/tokens_per_s": 2000.0, "peak_memory_gib": 1.5, "adapter_changed_share": 1.0,
+               "base_changed_share": 0.0, "sampling/sampling_logp_difference/mean": [0.03, 0.04, 0.04],
+               "sync_seconds": [0.21, 0.18, 0.19], "adapter_sync_mib": 18.1, "problems": []}
+    text = gpu_check._figures_text("vllm_colocate_lora_adapter", figures)
+    assert text.endswith("vLLM - trainer log-prob difference at most 0.04 (mean over tokens); syncs 0.21, 0.18, 0.19 s "
+                         "of 18.1 MiB (the adapter)")
+    assert gpu_check._figures_text("qlora", {**figures, "sync_seconds": [], "adapter_sync_mib": None}).startswith(
+        "3 iterations, 9.5 s each")

