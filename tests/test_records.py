@@ -125,8 +125,8 @@ def test_the_checkpoint_step_is_read_as_transformers_resumes(tmp_path):
 
 
 def training_run(tmp_path, model: str, **overrides) -> GiGPOTrainer:
-    config = cpu_config(tmp_path, env_name="corridor", max_steps=4, save_strategy="steps", save_steps=2,
-                        env_processes=False, disable_tqdm=True, **overrides)
+    config = cpu_config(tmp_path, **{"env_name": "corridor", "max_steps": 4, "save_strategy": "steps", "save_steps": 2,
+                                     "env_processes": False, "disable_tqdm": True, **overrides})
     return GiGPOTrainer(model, args=config, train_dataset=task_dataset(range(8)))
 
 
