@@ -183,15 +183,25 @@ def walk_right(prompts, tools):
     return [Completion([1, 2, 3], [4], "<action>right</action>") for _ in prompts]
 
 
-def success_metrics(seeds: list[int]) -> tuple[list, dict[str, float], dict[str, float]]:
-    """Three steps to the right in corridors of 3 + seed % 4 cells: the episodes, the rollout's metrics and the
-    evaluation panel's metrics."""
-    with EnvPool(SilentOnOddLengths, num_groups=len(seeds), group_size=1, processes=False) as pool:
-        rollout = collect_rollout(pool, [Task(seed) for seed in seeds], walk_right, max_env_steps=3, show_progress=False)
+def walked_rollout(env_fn, seeds: list[int], group_size: int, max_env_steps: int, reset_attempts: int = 3,
+                   **summary_options) -> tuple:
+    """`walk_right` in `group_size` copies of each seed's environment: the rollout, its advantages and its summary as
+    the trainer makes them."""
+    with EnvPool(env_fn, num_groups=len(seeds), group_size=group_size, processes=False,
+                 reset_attempts=reset_attempts) as pool:
+        rollout = collect_rollout(pool, [Task(seed) for seed in seeds], walk_right, max_env_steps=max_env_steps,
+                                  show_progress=False)
     steps = rollout.steps
     gigpo = compute_gigpo_advantages(steps.reward, steps.group, steps.trajectory, steps.step, steps.anchor)
     summary = RolloutSummary.of(rollout, gigpo, RolloutTimes(1.0, 0.5, 0.5, 0.0), max_completion_length=8,
-                                end_token_ids={4}, update_samples=range(len(steps)))
+                                end_token_ids={4}, update_samples=range(len(steps)), **summary_options)
+    return rollout, gigpo, summary
+
+
+def success_metrics(seeds: list[int]) -> tuple[list, dict[str, float], dict[str, float]]:
+    """Three steps to the right in corridors of 3 + seed % 4 cells: the episodes, the rollout's metrics and the
+    evaluation panel's metrics."""
+    rollout, _, summary = walked_rollout(SilentOnOddLengths, seeds, group_size=1, max_env_steps=3)
     panel = panel_metrics([PanelEpisode.of(episode, group_size=1) for episode in rollout.episodes])
     return rollout.episodes, rollout_metrics([summary]), panel
 
@@ -217,12 +227,7 @@ def test_a_rollout_where_no_environment_says_has_no_success_rate_rather_than_zer
 def test_a_rollout_s_means_leave_out_the_episodes_whose_environment_never_started(tmp_path):
     # Corridors of 3 cells walked right: 2 steps to the win. Seed 7's copies fail their only reset attempt each.
     env_fn = functools.partial(FailsToStart, tmp_path, {7: -1})
-    with EnvPool(env_fn, num_groups=2, group_size=2, processes=False, reset_attempts=1) as pool:
-        rollout = collect_rollout(pool, [Task(0), Task(7)], walk_right, max_env_steps=3, show_progress=False)
-    steps = rollout.steps
-    gigpo = compute_gigpo_advantages(steps.reward, steps.group, steps.trajectory, steps.step, steps.anchor)
-    summary = RolloutSummary.of(rollout, gigpo, RolloutTimes(1.0, 0.5, 0.5, 0.0), max_completion_length=8,
-                                end_token_ids={4}, update_samples=range(len(steps)))
+    rollout, _, summary = walked_rollout(env_fn, [0, 7], group_size=2, max_env_steps=3, reset_attempts=1)
     metrics = rollout_metrics([summary])
 
     assert [(e.length, e.env_error is not None) for e in rollout.episodes] == [(2, False)] * 2 + [(0, True)] * 2
@@ -255,16 +260,11 @@ def test_a_panel_task_that_could_not_start_is_named_and_counts_in_no_figure(tmp_
 def test_the_metric_names_defined_once_are_the_names_the_metrics_are_logged_under():
     """`gigpo_trl.metric_names` is where the report, the records and the recipe read the names from: each must be a
     name the metrics functions write (the trainer's own two aside: an evaluation's unplayed tasks, a gradient spike)."""
-    with EnvPool(Corridor, num_groups=2, group_size=2, processes=False) as pool:
-        rollout = collect_rollout(pool, [Task(0), Task(1)], walk_right, max_env_steps=3, show_progress=False)
-    steps = rollout.steps
-    gigpo = compute_gigpo_advantages(steps.reward, steps.group, steps.trajectory, steps.step, steps.anchor)
     sampling = SamplingCounts(groups_rolled=2, groups_kept=2, groups_dropped=0, groups_surplus=0, groups_missing=0,
                               extra_rounds=0, extra_rollout_s=0.0)
     std_filter = StdFilterCounts.of([[0.5, 0.0]], kept=[[0]])
-    summary = RolloutSummary.of(rollout, gigpo, RolloutTimes(1.0, 0.5, 0.5, 0.0), max_completion_length=8,
-                                end_token_ids={4}, update_samples=range(len(steps)), sampling=sampling,
-                                std_filter=std_filter)
+    rollout, gigpo, summary = walked_rollout(Corridor, [0, 1], group_size=2, max_env_steps=3, sampling=sampling,
+                                             std_filter=std_filter)
     logged = {*rollout_metrics([summary], update_seconds=1.0),
               *panel_metrics([PanelEpisode.of(episode, group_size=2) for episode in rollout.episodes]),
               *gigpo.stats.as_metrics()}  # its row count, which the rollout's metrics log as env/step_samples
@@ -284,12 +284,7 @@ class MeasuredCorridor(Corridor):
 
 def test_an_environment_s_own_metrics_are_logged_from_each_episode_s_latest_values_overall_and_per_task_type():
     # Corridors of 3 (seed 0) and 6 cells (seed 3) walked right twice: the first is won, the second is 3 cells short.
-    with EnvPool(MeasuredCorridor, num_groups=2, group_size=2, processes=False) as pool:
-        rollout = collect_rollout(pool, [Task(0), Task(3)], walk_right, max_env_steps=2, show_progress=False)
-    steps = rollout.steps
-    gigpo = compute_gigpo_advantages(steps.reward, steps.group, steps.trajectory, steps.step, steps.anchor)
-    summary = RolloutSummary.of(rollout, gigpo, RolloutTimes(1.0, 0.5, 0.5, 0.0), max_completion_length=8,
-                                end_token_ids={4}, update_samples=range(len(steps)))
+    rollout, _, summary = walked_rollout(MeasuredCorridor, [0, 3], group_size=2, max_env_steps=2)
     metrics = rollout_metrics([summary])
     panel = panel_metrics([PanelEpisode.of(episode, group_size=2) for episode in rollout.episodes])
 
