@@ -254,6 +254,6 @@ def test_setting_f_s_collapse_into_walking_one_way_is_said():
     assert {warning.rule for _, warning in said} == {"stuck", "no_signal"}
 
 
-@pytest.mark.parametrize("run", ["setting_e_gigpo_seed0"])  # the quickstart's steps: not recorded yet (README)
+@pytest.mark.parametrize("run", ["quickstart", "setting_e_gigpo_seed0"])
 def test_a_run_that_learns_is_not_warned_about(run):
     assert replay_health(measured(run)) == []
