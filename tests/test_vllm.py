@@ -60,9 +60,13 @@ def vllm_engine_setup():
 def shut_down_engines() -> None:
     """Shut down every colocated engine of this process. vLLM shuts one down when it is collected, and that shutdown
     tears down the process's parallel groups, which the next engine shares ('pipeline model parallel group is not
-    initialized' at its first generation): an engine must be shut down before the next is built."""
+    initialized' at its first generation): an engine must be shut down before the next is built. An engine freezes the
+    garbage collector's heap when it starts (vLLM's `freeze_gc_heap`), and `gc.get_objects` does not list frozen
+    objects: the heap is unfrozen first, or an engine built before another would be missed here and shut down later,
+    when collected, in the middle of the next test's generation."""
     from vllm.v1.engine.core_client import InprocClient
 
+    gc.unfreeze()
     for client in [obj for obj in gc.get_objects() if type(obj) is InprocClient]:  # not isinstance: dead weak proxies raise
         shutdown = getattr(client, "_finalizer", None)  # absent where the engine failed to start: nothing to shut down
         if shutdown is not None:
