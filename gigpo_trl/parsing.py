@@ -63,7 +63,9 @@ def _mapping_rules(candidate: str, admissible: Sequence[str]):
     number = NUMBER.match(normalized)
     in_range = number is not None and 1 <= int(number.group(1)) <= len(admissible)
     yield "number", admissible[int(number.group(1)) - 1] if in_range else None
-    contained = [a for a in admissible if re.search(rf"(?<!\w){re.escape(_normalize(a))}(?!\w)", normalized)]
+    # A set: an environment may list an action more than once (TextWorldExpress's Simon says does), and one
+    # action named by the text is still one candidate.
+    contained = {a for a in admissible if re.search(rf"(?<!\w){re.escape(_normalize(a))}(?!\w)", normalized)}
     widest = [a for a in contained if all(_normalize(b) in _normalize(a) for b in contained)]
     yield "contained", widest[0] if len(widest) == 1 else None
 

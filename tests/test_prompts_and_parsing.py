@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gigpo_trl.envs import register_env
-from gigpo_trl.parsing import parse_action
+from gigpo_trl.parsing import ParsedAction, parse_action
 from gigpo_trl.prompts import NUMBERED_TEMPLATE, PromptTemplate, build_messages, load_template, template_for
 
 ACTIONS = ["go north", "take red key", "take key", "open door"]
@@ -106,6 +106,15 @@ def test_parse_action(answer, action, valid, match):
     parsed = parse_action(answer, ACTIONS)
 
     assert (parsed.action, parsed.valid, parsed.match) == (action, valid, match)
+
+
+def test_an_action_listed_more_than_once_is_still_the_one_the_text_names():
+    """TextWorldExpress's Simon says lists an action up to three times (its distractors repeat it): an answer that
+    names it among other words is mapped to it, not left unmapped as if two different actions were named."""
+    listed = ["slice cucumber", "slice cucumber", "slice cucumber", "slice onion", "smell onion", "touch olive"]
+
+    assert parse_action("Simon says, 'slice cucumber'.", listed) == ParsedAction("slice cucumber", False, "contained")
+    assert parse_action("slice cucumber, then slice onion", listed).match is None  # two different actions
 
 
 def test_parse_action_without_admissible_actions_sends_the_text():
