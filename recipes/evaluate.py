@@ -18,6 +18,7 @@ the training-only fields of a training config are ignored.
 
 from __future__ import annotations
 
+from transformers.trainer_utils import IntervalStrategy
 from trl import ModelConfig, TrlParser
 
 from gigpo_trl import EMBEDDED_MODEL, GiGPOConfig, GiGPOTrainer, fold_seeds, task_dataset
@@ -31,7 +32,9 @@ def main(arguments: EvaluationArguments, config: GiGPOConfig, model_args: ModelC
     model, tokenizer = load_model(name, model_args.dtype)
     if isinstance(model, str):  # loaded by the trainer (an adapter's base is loaded by load_model)
         config.model_init_kwargs = {"dtype": model_args.dtype, **(config.model_init_kwargs or {})}
-    # The trainer is built with training tasks; nothing trains on them.
+    # The trainer is built with training tasks; nothing trains on them. A training config's evaluation schedule
+    # (eval_strategy "steps") would ask the trainer for an eval_dataset: the panels are played below, once.
+    config.eval_strategy = IntervalStrategy.NO
     tasks_per_rollout = config.generation_batch_size // config.num_generations
     trainer = GiGPOTrainer(
         model, args=config, processing_class=tokenizer,

@@ -256,6 +256,15 @@ def test_the_command_evaluates_a_lora_adapter_on_its_base_model(tmp_path, tiny_m
     assert record["panel"] == "dev" and record["metrics"]["env/panel_tasks"] == 2
 
 
+def test_the_command_takes_a_training_config_that_evaluates_every_few_steps(tmp_path, tiny_model_path):
+    """A training config's evaluation schedule (eval_strategy "steps", as research/configs' have) is the training's:
+    the command plays its panel once, instead of failing for want of an eval_dataset."""
+    [record] = evaluate_command(command_line(tiny_model_path, tmp_path / "evaluation", "--num_tasks", "2",
+                                             "--eval_strategy", "steps", "--eval_steps", "3"))
+
+    assert record["panel"] == "dev" and record["metrics"]["env/panel_tasks"] == 2
+
+
 @pytest.mark.parametrize(("more", "error", "message"), [
     (["--panels", "validation"], ValueError, "unknown fold 'validation', the folds are train, dev, test"),
     (["--samples", "4", "--pass_at", "8"], ValueError, "pass_at 8 needs 1 <= k <= samples = 4"),
