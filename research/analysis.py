@@ -78,18 +78,36 @@ def logged_entropy(log_path: Path) -> list[float]:
     return entropies
 
 
+def read_curves(curves_csv: Path, column: str | None = None) -> list[dict]:
+    """The rows of an earlier analysis's learning_curves.csv typed as `curves` makes them (method and mode strings, seed
+    and step integers, every other column a float); refused unless it has those four columns and `column`."""
+    with open(curves_csv, newline="") as file:
+        reader = csv.DictReader(file)
+        required = {"method", "seed", "mode", "step"} | ({column} if column else set())
+        if not required <= set(reader.fieldnames or ()):
+            raise ValueError(f"{curves_csv} is not a learning_curves.csv{f' with an {column} column' if column else ''} "
+                             f"(its columns: {reader.fieldnames})")
+        return [{name: value if name in ("method", "mode") else int(value) if name in ("seed", "step") else float(value)
+                 for name, value in row.items()} for row in reader]
+
+
 def earlier_entropy(curves_csv: Path) -> dict[tuple[str, int], dict[int, float]]:
     """{(method, seed): {step: entropy}} of the training rows of an earlier analysis's learning_curves.csv."""
     entropy: dict[tuple[str, int], dict[int, float]] = {}
-    with open(curves_csv, newline="") as file:
-        reader = csv.DictReader(file)
-        if not {"method", "seed", "mode", "step", "entropy"} <= set(reader.fieldnames or ()):
-            raise ValueError(f"{curves_csv} is not a learning_curves.csv with an entropy column (its columns: "
-                             f"{reader.fieldnames})")
-        for row in reader:
-            if row["mode"] == "train":
-                entropy.setdefault((row["method"], int(row["seed"])), {})[int(row["step"])] = float(row["entropy"])
+    for row in read_curves(curves_csv, "entropy"):
+        if row["mode"] == "train":
+            entropy.setdefault((row["method"], row["seed"]), {})[row["step"]] = row["entropy"]
     return entropy
+
+
+def earlier_rows(curves_csv: Path, rows: list[dict], runs: Sequence[tuple[str, int]]) -> tuple[list[dict], list[tuple[str, int]]]:
+    """`rows` with, for each of `runs` that has none (its records are gone: another machine, a deleted folder), its
+    rows of an earlier analysis's learning_curves.csv; and the runs so taken. Their held-out tasks are not known."""
+    have = {(row["method"], row["seed"]) for row in rows}
+    lost = [run for run in runs if run not in have]
+    earlier = [row for row in read_curves(curves_csv) if (row["method"], row["seed"]) in lost]
+    taken = sorted({(row["method"], row["seed"]) for row in earlier})
+    return rows + earlier, taken
 
 
 def run_entropy(output_dir: Path, train_steps: list[int], earlier: dict[int, float]) -> dict[int, float]:
@@ -175,13 +193,14 @@ def curves(runs: dict[tuple[str, int], Path], hint_steps: dict[tuple[str, int], 
 
 
 def mean_curve(rows: list[dict], method: str, mode: str, field: str) -> tuple[np.ndarray, np.ndarray]:
-    """Steps and the per-seed values (seeds x steps) of one method's curve (last record per step and seed)."""
+    """Steps and the per-seed values (seeds x steps, seeds in increasing order) of one method's curve (last record per
+    step and seed)."""
     by_seed: dict[int, dict[int, float]] = {}
     for row in rows:
         if row["method"] == method and row["mode"] == mode:
             by_seed.setdefault(row["seed"], {})[row["step"]] = row.get(field, float("nan"))
     steps = sorted(set.intersection(*(set(values) for values in by_seed.values())))
-    return np.array(steps), np.array([[values[s] for s in steps] for values in by_seed.values()])
+    return np.array(steps), np.array([[by_seed[seed][s] for s in steps] for seed in sorted(by_seed)])
 
 
 def plot(rows: list[dict], path: Path) -> None:

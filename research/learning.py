@@ -50,7 +50,8 @@ In every setting, per rollout: the step samples played and those the update left
 share of task groups whose copies all got the same return, and, where trajectories were logged, the share of steps
 that come back to the observation of two steps before (`two_step_loop_share`: a policy without history caught in a
 loop). Runs brought back from another machine without their logs take their entropy from the CSV of an analysis made
-there (--entropy-from).
+there (--entropy-from); runs whose records are gone altogether take their rows from an earlier analysis's CSV
+(--rows-from), and the summary lists them among the runs whose held-out tasks are not known.
 
 --arms ARMS.yaml replaces GiGPO and GRPO by named arms, each a list of recipe arguments (`read_arms`), compared with
 the file's control arm; --jobs N runs N at a time, and each run's CPU time is recorded. On rooms without the hint,
@@ -79,6 +80,7 @@ from research.analysis import (  # noqa: E402
     draught_advantages,
     draught_steps,
     earlier_entropy,
+    earlier_rows,
     held_out_panels,
     plot,
     summary,
@@ -126,6 +128,9 @@ def main() -> None:
     parser.add_argument("--entropy-from", type=Path, default=None, metavar="CSV",
                         help="the entropy of runs whose log is missing (records brought back without it) from an "
                         "earlier analysis's learning_curves.csv, made where the logs were")
+    parser.add_argument("--rows-from", type=Path, default=None, metavar="CSV",
+                        help="with --analyze-only: the rows of runs that have no records in OUTPUT (lost with a machine) "
+                        "from an earlier analysis's learning_curves.csv")
     parser.add_argument(PANEL_FLAG, action="store_true",
                         help="compare held-out figures even of runs whose evaluations did not play the same tasks (an "
                         "environment that could not start, another panel); the summary says which (held_out_panels)")
@@ -150,6 +155,8 @@ def main() -> None:
     args, overrides = parser.parse_known_args()  # the rest goes to the recipe, e.g. --max_steps 100
     if args.jobs < 1:
         parser.error(f"--jobs must be >= 1, got {args.jobs}")
+    if args.rows_from is not None and not args.analyze_only:
+        parser.error("--rows-from completes an analysis of runs whose records are gone: use it with --analyze-only")
     args.output.mkdir(parents=True, exist_ok=True)
     if args.detach:
         detach(args.output)
@@ -215,6 +222,12 @@ def main() -> None:
     rows = curves(runs, hint_steps, trajectories, earlier_entropy(args.entropy_from) if args.entropy_from else {},
                   settings)
     panels = held_out_panels(runs)
+    if args.rows_from:
+        rows, taken = earlier_rows(args.rows_from, rows, list(runs))
+        for run in taken:  # the tasks of their evaluations went with their records
+            panels[run] = {row["step"]: None for row in rows if (row["method"], row["seed"]) == run and row["mode"] == "eval"}
+        print(f"rows from {args.rows_from}: {', '.join(f'{method} seed {seed}' for method, seed in taken) or 'no run'}",
+              flush=True)
     if (base / "gigpo" / "evaluations.jsonl").is_file():  # the shared evaluation before training: every run's step 0
         base_run = {("base", 0): base}
         rows, panels = with_base_evaluation(rows, curves(base_run, {("base", 0): []}, {("base", 0): {}}, {}, settings),

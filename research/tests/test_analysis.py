@@ -1,5 +1,6 @@
 """research/analysis.py: the pre-registered decision rules, the held-out panels' check, the budget rule's cut, the
-loop share and the entropy of runs brought back without their logs, and setting F's trap reading."""
+loop share, the entropy of runs brought back without their logs and the rows of runs whose records are gone, and
+setting F's trap reading."""
 
 from __future__ import annotations
 
@@ -213,6 +214,51 @@ def test_the_analysis_reads_runs_brought_back_without_their_logs(tmp_path, monke
     rows, out = analyze()
     assert "grpo-seed0: no grpo-seed0.log: entropy not known" in out
     assert all(np.isnan(float(row["entropy"])) for row in rows if row["method"] == "GRPO (omega=0)")
+
+
+def test_runs_whose_records_are_gone_are_analysed_again_from_an_earlier_csv(tmp_path, monkeypatch, capsys):
+    """--rows-from: a run whose records were lost (another machine) comes back from the CSV of an earlier analysis,
+    as it was there, beside the runs that still have their records; the summary says its held-out tasks are not
+    known, and without --analyze-only the option is refused."""
+    import shutil
+    import sys
+
+    from research import learning
+
+    for seed in (0, 1):
+        write_run(tmp_path / f"gigpo-seed{seed}", {0: 0.2, 2: 0.6}, {})
+        write_run(tmp_path / f"grpo-seed{seed}", {0: 0.2, 2: 0.4 + 0.3 * seed}, {})
+
+    def analyze(*arguments):
+        monkeypatch.setattr(sys, "argv", ["learning.py", "--seeds", "0", "1", "--output", str(tmp_path), *arguments])
+        learning.main()
+        with open(tmp_path / "learning_curves.csv", newline="") as file:
+            rows = {(row["method"], row["seed"], row["mode"], row["step"]): row for row in csv.DictReader(file)}
+        return rows, json.loads((tmp_path / "summary.json").read_text()), capsys.readouterr().out
+
+    before, summary_before, _ = analyze("--analyze-only")
+    earlier = tmp_path / "earlier.csv"
+    shutil.copy(tmp_path / "learning_curves.csv", earlier)
+    shutil.rmtree(tmp_path / "grpo-seed0")  # listed after seed 1 when it comes back
+
+    _, without, _ = analyze("--analyze-only")
+    assert without["learning_reading"]["GRPO (omega=0)"]["seeds"].keys() == {"1"}
+
+    after, summary, out = analyze("--analyze-only", "--rows-from", str(earlier))
+    assert "rows from " in out and ": GRPO (omega=0) seed 0" in out
+    assert after == before  # every run's rows as they were, the lost run's from the earlier CSV
+    assert summary["decision"] == summary_before["decision"] == (
+        "undecided: neither method is above the other on every seed (2)")
+    assert summary["learning_reading"] == summary_before["learning_reading"]
+    assert summary["eval"] == summary_before["eval"]  # the per-seed figures in the order of the seeds
+    assert summary["eval"]["success_rate"]["GiGPO against GRPO (omega=0)"]["final_per_seed"]["GRPO (omega=0)"] == [
+        pytest.approx(0.4), pytest.approx(0.7)]
+    assert summary["held_out_panels"]["tasks_not_recorded"] == ["GRPO (omega=0) seed 0"]
+
+    monkeypatch.setattr(sys, "argv", ["learning.py", "--output", str(tmp_path), "--rows-from", str(earlier)])
+    with pytest.raises(SystemExit):
+        learning.main()
+    assert "--rows-from completes an analysis of runs whose records are gone" in capsys.readouterr().err
 
 
 def test_an_entropy_source_without_an_entropy_column_is_refused_by_name(tmp_path):
