@@ -38,7 +38,8 @@ def parse_action(text: str, admissible_actions: Sequence[str] | None = None) -> 
     else the answer without its `<think>` block. It is mapped onto `admissible_actions` by the first
     rule that applies: an exact match; a match ignoring case and repeated spaces; a number `k`
     naming the k-th action of the numbered list (1-based); the one admissible action contained in
-    the text (as whole words; when several are, the one containing all the others).
+    the text (as whole words, an action listed twice counting once; when several are, the one containing all the
+    others).
     Unmapped candidates are sent as they are (first line, stripped, at most `MAX_ACTION_CHARS` characters).
     """
     blocks = ACTION_BLOCK.findall(text)
