@@ -103,8 +103,7 @@ def earlier_entropy(curves_csv: Path) -> dict[tuple[str, int], dict[int, float]]
 def earlier_rows(curves_csv: Path, rows: list[dict], runs: Sequence[tuple[str, int]]) -> tuple[list[dict], list[tuple[str, int]]]:
     """`rows` with, for each of `runs` that has none (its records are gone: another machine, a deleted folder), its
     rows of an earlier analysis's learning_curves.csv; and the runs so taken. Their held-out tasks are not known."""
-    have = {(row["method"], row["seed"]) for row in rows}
-    lost = [run for run in runs if run not in have]
+    lost = set(runs) - {(row["method"], row["seed"]) for row in rows}
     earlier = [row for row in read_curves(curves_csv) if (row["method"], row["seed"]) in lost]
     taken = sorted({(row["method"], row["seed"]) for row in earlier})
     return rows + earlier, taken
