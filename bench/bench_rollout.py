@@ -62,9 +62,9 @@ BACKENDS = {  # GiGPOConfig fields of each generation backend
 
 
 def bench_rollout(model: str, num_tasks: int, group_size: int, turns: int, tokens: int, repeats: int,
-                  history_length: int, backend: str = "hf") -> dict:
+                  history_length: int, backend: str = "hf", backend_settings: dict | None = None) -> dict:
     """Time the multi-turn rollout against one batched generation of as many tokens with the same `backend`
-    (BACKENDS); prints and returns the figures."""
+    (BACKENDS, with `backend_settings` over its GiGPOConfig fields); prints and returns the figures."""
     import torch
 
     from gigpo_trl.config import GiGPOConfig
@@ -81,7 +81,8 @@ def bench_rollout(model: str, num_tasks: int, group_size: int, turns: int, token
         num_generations=group_size, max_completion_length=tokens, max_env_steps=turns, report_to=[],
         history_length=history_length, activation_checkpointing=False,
         generation_kwargs={"min_tokens" if use_vllm else "min_new_tokens": tokens}, bf16=torch.cuda.is_available(),
-        model_init_kwargs={"dtype": "bfloat16"} if torch.cuda.is_available() else None, **BACKENDS[backend],
+        model_init_kwargs={"dtype": "bfloat16"} if torch.cuda.is_available() else None,
+        **{**BACKENDS[backend], **(backend_settings or {})},
     )
     trainer = GiGPOTrainer(model, args=config, train_dataset=task_dataset(range(num_tasks)))
     tasks = [Task(seed=s) for s in range(num_tasks)]

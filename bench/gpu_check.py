@@ -5,11 +5,21 @@
     python bench/gpu_check.py --list                  # the checks and what each needs
     python bench/gpu_check.py --only train_lora_bf16 deepspeed_zero3
     python bench/gpu_check.py --only update_memory --update outputs/gpu_check/results.json  # re-run some, keep the rest
+    python bench/gpu_check.py --jobs 6 --time-limit 480 --vllm-kv-cache-gib 2 --vllm-gpu-memory-utilization 0.05
+        # 6 checks at once on one GPU (beside other runs), stopped after 8 minutes
 
 Each check runs in its own process (an out-of-memory error or a crash ends only that check), is timed, and
 ends as pass, fail or skipped; a check whose requirement is missing (no CUDA GPU, DeepSpeed or vLLM not
 installed, the embedded model's wheel absent) is skipped with the reason. On a machine without CUDA every
-check is skipped and the summary says so: CI runs it that way.
+check is skipped and the summary says so: CI runs it that way. results.json and the summary are written again as
+each check ends, so a run cut short keeps what it measured.
+
+--jobs N runs N checks at once, each process with a port of its own for torch.distributed (vLLM colocate and
+`accelerate launch` set up process groups). Checks that share a GPU share its memory: vLLM then sizes its KV cache by
+profiling the GPU's free memory while it starts and counts what the others allocate meanwhile as its own, so give the
+cache its size (--vllm-kv-cache-gib) and a small --vllm-gpu-memory-utilization (the share of the GPU that must be
+free when an engine starts). model_size_ladder fills the GPU on purpose: run it alone. --time-limit S stops the run
+S seconds after its start: a check still running is reported "unfinished", one not started "not run", with why.
 
 The checks:
   gpu_tests          pytest tests/test_gpu.py (bf16, LoRA, the memory bound, ZeRO-3, vLLM on the tiny model)
@@ -59,11 +69,13 @@ import math
 import os
 import platform
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -94,6 +106,8 @@ LADDER_BOUND = 8
 # bf16 noise (a few hundredths). Weights left stale after an update at the checks' learning rate differ by more.
 VLLM_LOGP_TOLERANCE = 0.1
 VLLM_SERVER_PORT = 8711
+# A check's end: the first three always appear in the summary's count, the last two (--time-limit) where they occur.
+STATUSES = ("pass", "fail", "skipped", "unfinished", "not run")
 
 
 @dataclass(frozen=True)
@@ -203,8 +217,8 @@ def train_once(model: str, output_dir: str, *, lora: bool = False, max_steps: in
         settings["model_init_kwargs"] = {**(settings["model_init_kwargs"] or {}), "quantization_config": BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16)}
     if use_vllm:
-        settings.update(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.25, vllm_max_model_length=4096,
-                        **(vllm or {}))
+        settings.update({"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.25,
+                         "vllm_max_model_length": 4096, **(vllm or {})})
     trainer = GiGPOTrainer(model, args=GiGPOConfig(**settings), train_dataset=task_dataset(range(64)),
                            peft_config=peft_config)
     sync_seconds = []
@@ -384,16 +398,16 @@ def update_peak(size: str, bound: int, num_tasks: int, output_dir: str, tokenize
     }
 
 
-def rollout_figures(model: str, backend: str) -> dict:
-    """bench_rollout on `model` with `backend` ("hf", "paged" or "vllm"): tokens/s and the ratio to one batched
-    generation of the same tokens, with K=0 and K=2 history."""
+def rollout_figures(model: str, backend: str, vllm_settings: dict | None = None) -> dict:
+    """bench_rollout on `model` with `backend` ("hf", "paged" or "vllm"; `vllm_settings`: GiGPOConfig fields of
+    the vLLM backend): tokens/s and the ratio to one batched generation of the same tokens, with K=0 and K=2 history."""
     from bench.bench_rollout import bench_rollout
 
     results = {}
     for history_length in (0, 2):
         results[f"history_{history_length}"] = bench_rollout(
             model, num_tasks=8, group_size=8, turns=8, tokens=32, repeats=3, history_length=history_length,
-            backend=backend,
+            backend=backend, backend_settings=vllm_settings if backend == "vllm" else None,
         )
     results["problems"] = []
     if backend == "vllm" and results["history_0"]["ratio"] > 1.15:
@@ -432,8 +446,17 @@ def run_worker(worker: str, kwargs: dict, timeout: int, launcher: Sequence[str] 
         return {"problems": [finished["error"] or f"exit code {finished['returncode']}, no result"], "output_tail": finished["tail"]}
 
 
-def _run(command: Sequence[str], timeout: int, log) -> dict:
-    environment = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+def free_port() -> int:
+    """A port free now: each check's processes get their own for torch.distributed, so that checks run at once
+    (--jobs) do not meet on TRL's and accelerate's default 29500."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("localhost", 0))
+        return probe.getsockname()[1]
+
+
+def _run(command: Sequence[str], timeout: float, log) -> dict:
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+                   "MASTER_PORT": os.environ.get("MASTER_PORT") or str(free_port())}
     try:
         finished = subprocess.run(command, cwd=REPO, env=environment, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as exc:
@@ -455,9 +478,17 @@ def _append_log(log, command: Sequence[str], output: str) -> None:
         log.flush()
 
 
+def check_timeout(options, default: int) -> float:
+    """Seconds a worker of a check may take: --timeout (else the check's `default`), and no later than --time-limit."""
+    timeout = options.timeout or default
+    if options.deadline is not None:
+        timeout = min(timeout, max(options.deadline - time.monotonic(), 1.0))
+    return timeout
+
+
 def check_gpu_tests(options, log) -> dict:
     finished = _run([sys.executable, "-m", "pytest", "tests/test_gpu.py", "-q", "-rs", "-p", "no:cacheprovider"],
-                    options.timeout or 900, log)
+                    check_timeout(options, 900), log)
     summary = next((line for line in reversed(finished["tail"].splitlines()) if " in " in line and ("passed" in line or "failed" in line or "skipped" in line)), "")
     counts = {kind: _count(summary, kind) for kind in ("passed", "failed", "skipped", "error")}
     problems = [] if finished["returncode"] == 0 else [finished["error"] or f"pytest exit code {finished['returncode']}"]
@@ -469,13 +500,28 @@ def _count(summary: str, kind: str) -> int:
     return sum(int(words[k - 1]) for k, word in enumerate(words) if word.rstrip("s") == kind.rstrip("s") and k and words[k - 1].isdigit())
 
 
+def vllm_settings(options, server: bool = False) -> dict:
+    """The GiGPOConfig fields that size a check's colocated vLLM engine (--vllm-gpu-memory-utilization,
+    --vllm-kv-cache-gib); a server is sized on its own command line (`check_vllm_server`)."""
+    if server:
+        return {}
+    settings = {"vllm_gpu_memory_utilization": options.vllm_gpu_memory_utilization}
+    if options.vllm_kv_cache_gib is not None:
+        settings["vllm_engine_kwargs"] = {"kv_cache_memory_bytes": int(options.vllm_kv_cache_gib * 2**30)}
+    return settings
+
+
 def check_train(options, log, **kwargs) -> dict:
-    return run_worker("train", {"model": options.model, "max_steps": options.steps, **kwargs}, options.timeout or 600, log=log)
+    if kwargs.get("use_vllm"):
+        vllm = kwargs.get("vllm", {})
+        kwargs = {**kwargs, "vllm": {**vllm_settings(options, server=vllm.get("vllm_mode") == "server"), **vllm}}
+    return run_worker("train", {"model": options.model, "max_steps": options.steps, **kwargs}, check_timeout(options, 600),
+                      log=log)
 
 
 def deepspeed_launcher(stage: int, num_processes: int | None = None, mixed_precision: str | None = None) -> list[str]:
     """`accelerate launch` (this Python's) with the recipe's DeepSpeed ZeRO-`stage` config: `num_processes` processes
-    (default: one per GPU present), the config's mixed precision (bf16) unless `mixed_precision` is given."""
+    (default: one per GPU present), the config's mixed precision (bf16) unless `mixed_precision` is given, a free port."""
     import torch
 
     num_processes = num_processes or torch.cuda.device_count()
@@ -484,13 +530,14 @@ def deepspeed_launcher(stage: int, num_processes: int | None = None, mixed_preci
                          "on the CPU, gloo between them)")
     return [sys.executable, "-m", "accelerate.commands.launch",
             "--config_file", str(REPO / f"recipes/accelerate/deepspeed_zero{stage}.yaml"),
-            "--num_processes", str(num_processes), *(["--mixed_precision", mixed_precision] if mixed_precision else [])]
+            "--num_processes", str(num_processes), "--main_process_port", str(free_port()),
+            *(["--mixed_precision", mixed_precision] if mixed_precision else [])]
 
 
 def check_deepspeed(options, log, stage: int) -> dict:
     import torch
 
-    result = run_worker("train", {"model": options.model, "max_steps": options.steps}, options.timeout or 900,
+    result = run_worker("train", {"model": options.model, "max_steps": options.steps}, check_timeout(options, 900),
                         launcher=deepspeed_launcher(stage), log=log)
     result["processes"] = torch.cuda.device_count()
     return result
@@ -502,7 +549,8 @@ def check_update_memory(options, log) -> dict:
     Its growth with the bound itself is reported (activation_mib), not required: where the weights, gradients
     and AdamW states dominate (full fine-tuning, gradient checkpointing) the bound's share is a few MiB.
     """
-    runs = [run_worker("update_peak", {"size": "qwen2.5-1.5b", "bound": bound, "num_tasks": tasks}, options.timeout or 600, log=log)
+    runs = [run_worker("update_peak", {"size": "qwen2.5-1.5b", "bound": bound, "num_tasks": tasks},
+                       check_timeout(options, 600), log=log)
             for bound in MEMORY_BOUNDS for tasks in MEMORY_TASKS]
     problems = [p for run in runs for p in run.get("problems", [])]
     if not problems:
@@ -517,7 +565,8 @@ def check_update_memory(options, log) -> dict:
 def check_model_size_ladder(options, log) -> dict:
     runs, largest = [], None
     for size in QWEN25_SIZES:
-        run = run_worker("update_peak", {"size": size, "bound": LADDER_BOUND, "num_tasks": 2}, options.timeout or 600, log=log)
+        run = run_worker("update_peak", {"size": size, "bound": LADDER_BOUND, "num_tasks": 2}, check_timeout(options, 600),
+                         log=log)
         run["size"] = size
         fits = not run.get("problems")
         run["fits"] = fits
@@ -530,10 +579,11 @@ def check_model_size_ladder(options, log) -> dict:
 
 
 def check_rollout(options, log) -> dict:
-    result = run_worker("rollout", {"model": options.model, "backend": "hf"}, options.timeout or 900, log=log)
-    result["paged"] = run_worker("rollout", {"model": options.model, "backend": "paged"}, options.timeout or 900, log=log)
+    result = run_worker("rollout", {"model": options.model, "backend": "hf"}, check_timeout(options, 900), log=log)
+    result["paged"] = run_worker("rollout", {"model": options.model, "backend": "paged"}, check_timeout(options, 900), log=log)
     if _has_module("vllm"):
-        result["vllm"] = run_worker("rollout", {"model": options.model, "backend": "vllm"}, options.timeout or 900, log=log)
+        result["vllm"] = run_worker("rollout", {"model": options.model, "backend": "vllm", "vllm_settings": vllm_settings(options)},
+                                    check_timeout(options, 900), log=log)
     result["problems"] = [*result.get("problems", []), *(p for key in ("paged", "vllm") for p in result.get(key, {}).get("problems", []))]
     return result
 
@@ -545,12 +595,14 @@ def check_vllm_server(options, log) -> dict:
     model = resolve_model(options.model)
     vllm = shutil.which("vllm") or [sys.executable, "-m", "vllm.entrypoints.cli.main"]
     command = [*([vllm] if isinstance(vllm, str) else vllm), "serve", model, "--port", str(VLLM_SERVER_PORT),
-               "--gpu-memory-utilization", "0.3", "--max-model-len", "4096", "--weight-transfer-config",
-               '{"backend":"nccl"}', "--logprobs-mode", "processed_logprobs"]
+               "--gpu-memory-utilization", str(options.vllm_gpu_memory_utilization), "--max-model-len", "4096",
+               "--weight-transfer-config", '{"backend":"nccl"}', "--logprobs-mode", "processed_logprobs",
+               *(["--kv-cache-memory-bytes", str(int(options.vllm_kv_cache_gib * 2**30))]
+                 if options.vllm_kv_cache_gib is not None else [])]
     environment = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_USE_FLASHINFER_SAMPLER": "0"}
     server = subprocess.Popen(command, stdout=log or subprocess.DEVNULL, stderr=subprocess.STDOUT, env=environment)
     try:
-        if not _wait_for_server(f"http://127.0.0.1:{VLLM_SERVER_PORT}/health", server, timeout=600):
+        if not _wait_for_server(f"http://127.0.0.1:{VLLM_SERVER_PORT}/health", server, timeout=check_timeout(options, 600)):
             return {"problems": [f"vllm serve did not answer on port {VLLM_SERVER_PORT} (exit code {server.poll()})"]}
         return check_train(options, log, use_vllm=True, learning_rate=1e-4, vllm={
             "vllm_mode": "server", "vllm_server_base_url": f"http://127.0.0.1:{VLLM_SERVER_PORT}"})
@@ -602,15 +654,28 @@ RUNNERS: dict[str, Callable] = {
 
 
 def run_checks(selected: Sequence[Check], options, probes: dict[str, bool], log=None,
-               runners: dict[str, Callable] = RUNNERS) -> list[dict]:
-    """Run (or skip) each check; one dict per check with its status, seconds and figures."""
-    results = []
-    for check in selected:
+               runners: dict[str, Callable] = RUNNERS, on_result: Callable[[list[dict]], None] | None = None) -> list[dict]:
+    """Run (or skip) each check, `options.jobs` at once (1 when options is None), none started after
+    `options.deadline` (time.monotonic; None: no limit); one dict per check, in `selected`'s order, with its status,
+    seconds and figures. `on_result` gets the results so far each time a check ends."""
+    jobs = getattr(options, "jobs", 1)
+    deadline = getattr(options, "deadline", None)
+    results: dict[str, dict] = {}
+
+    def finish(check: Check, result: dict) -> None:
+        results[check.name] = {"name": check.name, **result}
+        if on_result is not None:
+            on_result([results[c.name] for c in selected if c.name in results])
+
+    def run_one(check: Check) -> None:
         missing = missing_requirements(check, probes)
         if missing:
-            results.append({"name": check.name, "status": "skipped", "reason": "; ".join(missing), "seconds": 0.0})
             print(f"[gpu_check] {check.name}: skipped ({'; '.join(missing)})", flush=True)
-            continue
+            return finish(check, {"status": "skipped", "reason": "; ".join(missing), "seconds": 0.0})
+        if deadline is not None and time.monotonic() >= deadline:
+            print(f"[gpu_check] {check.name}: not run (--time-limit reached)", flush=True)
+            return finish(check, {"status": "not run", "seconds": 0.0,
+                                  "reason": f"the run's --time-limit of {options.time_limit} s was reached before it started"})
         print(f"[gpu_check] {check.name}: running ({check.help})", flush=True)
         started = time.perf_counter()
         try:
@@ -619,9 +684,17 @@ def run_checks(selected: Sequence[Check], options, probes: dict[str, bool], log=
             figures = {"problems": [f"{type(exc).__name__}: {exc}"]}
         seconds = time.perf_counter() - started
         status = "fail" if figures.get("problems") else "pass"
-        results.append({"name": check.name, "status": status, "seconds": seconds, "figures": figures})
+        if status == "fail" and deadline is not None and time.monotonic() >= deadline and any(
+                "timed out" in problem for problem in figures["problems"]):
+            status = "unfinished"
+            figures["why"] = f"stopped at the run's --time-limit of {options.time_limit} s"
         print(f"[gpu_check] {check.name}: {status} in {seconds:.0f} s {figures.get('problems') or ''}", flush=True)
-    return results
+        finish(check, {"status": status, "seconds": seconds, "figures": figures})
+
+    with ThreadPoolExecutor(max_workers=jobs) as pool:  # each check's work is in processes of its own
+        for future in [pool.submit(run_one, check) for check in selected]:
+            future.result()
+    return [results[check.name] for check in selected]
 
 
 def machine_facts() -> dict:
@@ -662,15 +735,23 @@ def write_summary(report: dict, path: Path) -> Path:
     lines += [f"Versions: {versions}.", "", "| check | status | seconds | figures |", "|---|---|---|---|"]
     for result in report["checks"]:
         figures = result.get("reason") or _figures_text(result["name"], result.get("figures", {}))
+        if result.get("figures", {}).get("why"):
+            figures = f"{result['figures']['why']}: {figures}"
         lines.append(f"| `{result['name']}` | {result['status']} | {result['seconds']:.0f} | {figures} |")
-    counts = {status: sum(r["status"] == status for r in report["checks"]) for status in ("pass", "fail", "skipped")}
-    lines += ["", f"{counts['pass']} passed, {counts['fail']} failed, {counts['skipped']} skipped.", ""]
+    lines += ["", f"{count_text(report['checks'])}.", ""]
     lines += _detail_tables(report["checks"])
     if report.get("notes"):
         lines += ["## Notes", "", *(f"- {note}" for note in report["notes"]), ""]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def count_text(checks: Sequence[dict]) -> str:
+    """'3 passed, 1 failed, 2 skipped', with the unfinished and not run checks where there are any."""
+    counts = {status: sum(r["status"] == status for r in checks) for status in STATUSES}
+    stopped = "".join(f", {counts[status]} {status}" for status in STATUSES[3:] if counts[status])
+    return f"{counts['pass']} passed, {counts['fail']} failed, {counts['skipped']} skipped{stopped}"
 
 
 def _figures_text(name: str, figures: dict) -> str:
@@ -750,12 +831,22 @@ def _number(value) -> str:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     names = [check.name for check in CHECKS]
-    parser.add_argument("--only", nargs="+", choices=names, metavar="CHECK", help=f"run only these checks ({', '.join(names)})")
+    parser.add_argument("--only", nargs="+", choices=names, metavar="CHECK",
+                        help=f"run only these checks, started in this order ({', '.join(names)})")
     parser.add_argument("--skip", nargs="+", choices=names, default=[], metavar="CHECK", help="leave these checks out")
     parser.add_argument("--list", action="store_true", help="list the checks and what each needs, then exit")
     parser.add_argument("--model", default=EMBEDDED, help="model of the training and rollout checks (default: the embedded SmolLM2)")
     parser.add_argument("--steps", type=int, default=3, help="training iterations of the training checks (default 3)")
     parser.add_argument("--timeout", type=int, default=None, help="seconds one check may take (default: per check)")
+    parser.add_argument("--jobs", type=int, default=1, help="checks run at once (default 1; see above for a shared GPU)")
+    parser.add_argument("--time-limit", type=int, default=None,
+                        help="seconds after which the run stops: running checks end 'unfinished', others 'not run'")
+    parser.add_argument("--vllm-gpu-memory-utilization", type=float, default=0.25,
+                        help="vLLM checks: the share of the GPU's memory an engine asks for (default 0.25); with "
+                             "--vllm-kv-cache-gib, the share that must be free when it starts")
+    parser.add_argument("--vllm-kv-cache-gib", type=float, default=None,
+                        help="vLLM checks: the KV cache's size, instead of vLLM's profile of the free memory "
+                             "(set it where other processes share the GPU)")
     parser.add_argument("--output-dir", type=Path, default=DEFAULT_OUTPUT, help="where results.json and the log go")
     parser.add_argument("--summary", type=Path, default=DEFAULT_SUMMARY, help="the markdown summary (default outputs/gpu_check/gpu.md)")
     parser.add_argument("--update", type=Path, default=None,
@@ -769,6 +860,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error(f"--steps must be at least 1, got {options.steps}")
     if options.timeout is not None and options.timeout < 1:
         parser.error(f"--timeout must be at least 1 second, got {options.timeout}")
+    if options.jobs < 1:
+        parser.error(f"--jobs must be at least 1, got {options.jobs}")
+    if options.time_limit is not None and options.time_limit < 1:
+        parser.error(f"--time-limit must be at least 1 second, got {options.time_limit}")
+    if not 0 < options.vllm_gpu_memory_utilization <= 1:
+        parser.error(f"--vllm-gpu-memory-utilization must be in (0, 1], got {options.vllm_gpu_memory_utilization}")
+    if options.vllm_kv_cache_gib is not None and options.vllm_kv_cache_gib <= 0:
+        parser.error(f"--vllm-kv-cache-gib must be above 0, got {options.vllm_kv_cache_gib}")
     options.earlier = None
     if options.update is not None:  # read before the checks run, so that a bad file costs no GPU time
         if not options.update.is_file():
@@ -802,30 +901,36 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
     if options.worker:
         run_worker_in_this_process(options)
         return None
-    selected = [check for check in CHECKS if (not options.only or check.name in options.only) and check.name not in options.skip]
+    by_name = {check.name: check for check in CHECKS}
+    selected = [by_name[name] for name in (options.only or by_name) if name not in options.skip]  # in --only's order
     if options.list:
         for check in CHECKS:
             print(f"{check.name:20s} needs {', '.join(check.needs):40s} {check.help}")
         return None
+    started = time.perf_counter()
+    options.deadline = None if options.time_limit is None else time.monotonic() + options.time_limit
     probes = probe_requirements(sorted({need for check in selected for need in check.needs}))
     options.output_dir.mkdir(parents=True, exist_ok=True)
-    started = time.perf_counter()
+    facts = machine_facts()
+
+    def write_report(results: list[dict]) -> dict:
+        report = {"date": time.strftime("%Y-%m-%d"), "seconds": time.perf_counter() - started, "machine": facts,
+                  "checks": results, "notes": options.note}
+        if options.earlier is not None:
+            earlier = options.earlier
+            report["notes"] = earlier.get("notes", []) + options.note
+            rerun = {r["name"] for r in results}
+            report["checks"] = [r for r in earlier["checks"] if r["name"] not in rerun] + results
+            report["seconds"] += earlier["seconds"]
+        report["checks"].sort(key=lambda r: list(by_name).index(r["name"]))
+        (options.output_dir / "results.json").write_text(json.dumps(report, indent=1, default=str))
+        write_summary(report, options.summary)
+        return report
+
     with open(options.output_dir / "log.txt", "a") as log:
-        results = run_checks(selected, options, probes, log)
-    report = {"date": time.strftime("%Y-%m-%d"), "seconds": time.perf_counter() - started, "machine": machine_facts(),
-              "checks": results, "notes": options.note}
-    if options.earlier is not None:
-        earlier = options.earlier
-        report["notes"] = earlier.get("notes", []) + options.note
-        rerun = {r["name"] for r in results}
-        report["checks"] = [r for r in earlier["checks"] if r["name"] not in rerun] + results
-        report["checks"].sort(key=lambda r: [c.name for c in CHECKS].index(r["name"]))
-        report["seconds"] += earlier["seconds"]
-    (options.output_dir / "results.json").write_text(json.dumps(report, indent=1, default=str))
-    write_summary(report, options.summary)
-    counts = {status: sum(r["status"] == status for r in report["checks"]) for status in ("pass", "fail", "skipped")}
-    print(f"[gpu_check] {counts['pass']} passed, {counts['fail']} failed, {counts['skipped']} skipped; "
-          f"{options.output_dir / 'results.json'}, {options.summary}")
+        results = run_checks(selected, options, probes, log, on_result=write_report)
+    report = write_report(results)
+    print(f"[gpu_check] {count_text(report['checks'])}; {options.output_dir / 'results.json'}, {options.summary}")
     return report
 
 

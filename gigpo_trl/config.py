@@ -15,7 +15,7 @@ from trl import GRPOConfig
 
 from gigpo_trl.advantages import EPISODE_STATS_MODES, NORM_MODES
 from gigpo_trl.dynamic_sampling import SIGNAL_MODES, std_filter_kept_count
-from gigpo_trl.vllm_lora import VLLM_LORA_SYNC_MODES
+from gigpo_trl.vllm_lora import VLLM_LORA_SYNC_MODES, engine_kwargs_problems
 
 # Loss types whose normalization ignores rows with a zero loss mask (the rows that keep processes in lock-step):
 # they divide by the token count of the whole generation batch (`num_items_in_batch`). "grpo", "sapo", "dr_grpo"
@@ -165,6 +165,15 @@ class GiGPOConfig(GRPOConfig):
                   "4-bit (QLoRA) base, which cannot be merged, generates with vLLM. vllm_mode='colocate' only. The "
                   "measured costs of both: docs/launching.md.", "choices": list(VLLM_LORA_SYNC_MODES)},
     )
+    vllm_engine_kwargs: dict[str, Any] | str | None = field(
+        default=None,
+        metadata={"help": "vllm_mode='colocate': keyword arguments added to the vLLM engine TRL starts (vLLM's "
+                  "EngineArgs: a dict, or JSON on the command line), e.g. {\"kv_cache_memory_bytes\": 2147483648, "
+                  "\"enforce_eager\": true}. Where several training processes share one GPU, give the KV cache its size: "
+                  "from vllm_gpu_memory_utilization alone, vLLM sizes it by profiling the GPU's free memory while it "
+                  "starts, and counts what the other processes allocate meanwhile as its own. The arguments TRL "
+                  "already sets are refused, each naming the setting that sets it."},
+    )
     max_step_samples_per_micro_batch: int | None = field(
         default=None,
         metadata={"help": "Upper bound on the step samples of one forward/backward pass: it bounds the update's peak "
@@ -236,6 +245,12 @@ class GiGPOConfig(GRPOConfig):
             except json.JSONDecodeError as exc:
                 raise ValueError(f"env_kwargs must be a dict or a JSON object string, got {self.env_kwargs!r}: {exc}") from None
         self.env_kwargs = dict(self.env_kwargs or {})
+        if isinstance(self.vllm_engine_kwargs, str):
+            try:
+                self.vllm_engine_kwargs = json.loads(self.vllm_engine_kwargs)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"vllm_engine_kwargs must be a dict or a JSON object string, got "
+                                 f"{self.vllm_engine_kwargs!r}: {exc}") from None
         if self.max_tool_calling_iterations is not None:
             turns = self.max_tool_calling_iterations + 1
             if self.max_env_steps not in (DEFAULT_MAX_ENV_STEPS, turns):
@@ -313,6 +328,7 @@ class GiGPOConfig(GRPOConfig):
             problems.append(f"dynamic_sampling_signal={self.dynamic_sampling_signal!r} is not one of {SIGNAL_MODES}")
         problems += self._reward_std_filter_problems()
         problems += self._vllm_lora_sync_problems()
+        problems += engine_kwargs_problems(self.vllm_engine_kwargs, self.use_vllm, self.vllm_mode)
         if self.loss_type not in SUPPORTED_LOSS_TYPES:
             problems.append(
                 f"loss_type={self.loss_type!r} normalizes per row or per micro-batch, so the zero-weight rows that keep "

@@ -11,6 +11,9 @@ the latest version. Under ZeRO-3 only the adapter's parameters are gathered.
 vLLM colocate only: TRL 1.16's server client names no adapter in its requests and moves weights by NCCL broadcast
 (its `/update_weights`), and vLLM's server loads adapters from a path of its own machine; the server mode is refused
 by `GiGPOConfig`.
+
+The colocated engine is started here too, for both modes: `vllm_engine_for` adds the adapter mode's LoRA arguments and
+the user's `vllm_engine_kwargs` to TRL's `LLM(...)` call.
 """
 
 from __future__ import annotations
@@ -35,6 +38,19 @@ if TYPE_CHECKING:
     from gigpo_trl.config import GiGPOConfig
 
 VLLM_LORA_SYNC_MODES = ("merged", "adapter")
+# The arguments of TRL 1.16's colocated `LLM(...)` call (`VLLMGeneration._init_vllm`) and of the adapter mode, each
+# with the setting that sets it: vllm_engine_kwargs may not set them a second time.
+ENGINE_ARGUMENTS_SET = {
+    "model": "the model given to the trainer", "tensor_parallel_size": "vllm_tensor_parallel_size",
+    "gpu_memory_utilization": "vllm_gpu_memory_utilization", "max_model_len": "vllm_max_model_length",
+    "max_num_seqs": "per_device_train_batch_size x steps_per_generation",
+    "enable_sleep_mode": "vllm_enable_sleep_mode", "model_impl": "vllm_model_impl",
+    "distributed_executor_backend": "TRL (external_launcher)", "seed": "TRL (the process index)",
+    "max_num_batched_tokens": "TRL (4096)", "logprobs_mode": "TRL (processed_logprobs)",
+    "quantization": "the model's quantization_config", "trust_remote_code": "trust_remote_code",
+    "enable_lora": "vllm_lora_sync", "max_lora_rank": "vllm_lora_sync (the adapter's rank)",
+    "max_loras": "vllm_lora_sync",
+}
 # The ranks vLLM's LoRA kernels are built for (vLLM's `LoRAConfig.max_lora_rank`, `MaxLoRARanks`, vLLM 0.31): the
 # engine is started with the smallest of them that holds the adapter's rank.
 VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -90,9 +106,9 @@ def engine_lora_rank(rank: int) -> int:
 @contextmanager
 def vllm_engine_for(args: GiGPOConfig, model: Any, peft_config: Any) -> Iterator[None]:
     """Inside the block, the colocated engine TRL builds (`VLLMGeneration._init_vllm`, from `GRPOTrainer.__init__`)
-    is started for the weight sync `args.vllm_lora_sync` chose: with LoRA enabled for the adapter of `model` /
-    `peft_config` in the adapter mode (TRL's `LLM(...)` call takes no LoRA arguments: they are added to it for the
-    block); as TRL starts it otherwise. Before anything is loaded, a 4-bit base is refused where vLLM could not generate
+    is started with `args.vllm_engine_kwargs` and for the weight sync `args.vllm_lora_sync` chose: with LoRA enabled
+    for the adapter of `model` / `peft_config` in the adapter mode (TRL's `LLM(...)` call takes neither: they are
+    added to it for the block); as TRL starts it otherwise. Before anything is loaded, a 4-bit base is refused where vLLM could not generate
     with its adapter (`quantized_base_problem`). Nothing changes without vLLM."""
     if not args.use_vllm:
         yield
@@ -100,22 +116,42 @@ def vllm_engine_for(args: GiGPOConfig, model: Any, peft_config: Any) -> Iterator
     problem = quantized_base_problem(args, model)
     if problem:
         raise ValueError(problem)
-    if args.vllm_lora_sync != "adapter":
+    added = dict(args.vllm_engine_kwargs or {})
+    if args.vllm_lora_sync == "adapter":
+        config = adapter_lora_config(model, peft_config)
+        added.update(enable_lora=True, max_lora_rank=engine_lora_rank(config.r), max_loras=1)
+    if not added:
         yield
         return
-    config = adapter_lora_config(model, peft_config)
     from trl.generation import vllm_generation  # noqa: PLC0415 (imports vLLM)
 
     engine = vllm_generation.LLM
 
-    def lora_engine(*engine_args: Any, **kwargs: Any) -> Any:
-        return engine(*engine_args, enable_lora=True, max_lora_rank=engine_lora_rank(config.r), max_loras=1, **kwargs)
+    def engine_with_added_arguments(*engine_args: Any, **kwargs: Any) -> Any:
+        return engine(*engine_args, **added, **kwargs)
 
-    vllm_generation.LLM = lora_engine
+    vllm_generation.LLM = engine_with_added_arguments
     try:
         yield
     finally:
         vllm_generation.LLM = engine
+
+
+def engine_kwargs_problems(engine_kwargs: Any, use_vllm: bool, vllm_mode: str) -> list[str]:
+    """Why `vllm_engine_kwargs` cannot be added to the colocated engine's start: not a dict of names, set without a
+    colocated engine, or naming an argument TRL (or the adapter mode) already sets (`ENGINE_ARGUMENTS_SET`)."""
+    if not engine_kwargs:
+        return []
+    if not isinstance(engine_kwargs, dict) or not all(isinstance(name, str) for name in engine_kwargs):
+        return [f"vllm_engine_kwargs must be a dict of vLLM engine arguments, got {engine_kwargs!r}"]
+    if not use_vllm or vllm_mode != "colocate":
+        return [f"vllm_engine_kwargs are added to the colocated vLLM engine, and this run has none (use_vllm={use_vllm}, "
+                f"vllm_mode={vllm_mode!r}): a server takes its engine arguments on its own command line (vllm serve "
+                "--kv-cache-memory-bytes ...)"]
+    taken = [f"{name} (set by {ENGINE_ARGUMENTS_SET[name]})" for name in engine_kwargs if name in ENGINE_ARGUMENTS_SET]
+    if taken:
+        return [f"vllm_engine_kwargs may not set what TRL's engine start already sets: {', '.join(taken)}"]
+    return []
 
 
 def quantized_base_problem(args: GiGPOConfig, model: Any) -> str | None:

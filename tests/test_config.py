@@ -35,6 +35,14 @@ TRL_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "
         ({"vllm_lora_sync": "adapter"}, "use_vllm=False generates without vLLM"),
         ({"vllm_lora_sync": "adapter", "use_vllm": True, "vllm_mode": "server"},
          "vllm_lora_sync='adapter' runs with vllm_mode='colocate' only, got vllm_mode='server'"),
+        ({"vllm_engine_kwargs": "{not json"}, "vllm_engine_kwargs must be a dict or a JSON object string"),
+        ({"vllm_engine_kwargs": '["enforce_eager"]'}, "vllm_engine_kwargs must be a dict of vLLM engine arguments"),
+        ({"vllm_engine_kwargs": {"enforce_eager": True}}, r"this run has none \(use_vllm=False"),
+        ({"vllm_engine_kwargs": {"enforce_eager": True}, "use_vllm": True, "vllm_mode": "server"},
+         r"vllm_mode='server'\): a server takes its engine arguments on its own command line"),
+        ({"vllm_engine_kwargs": {"gpu_memory_utilization": 0.5, "max_loras": 2, "enforce_eager": True}, "use_vllm": True,
+          "vllm_mode": "colocate"},
+         r"already sets: gpu_memory_utilization \(set by vllm_gpu_memory_utilization\), max_loras \(set by vllm_lora_sync\)$"),
     ],
 )
 def test_config_rejects_invalid_combinations_naming_the_fields(tmp_path, overrides, message):

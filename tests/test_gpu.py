@@ -68,7 +68,9 @@ def test_vllm_colocate_generates_every_turn_with_importance_sampling(tmp_path, t
         output_dir=str(tmp_path), env_name="sokoban", per_device_train_batch_size=8, num_generations=4,
         steps_per_generation=1, gradient_accumulation_steps=1, max_steps=2, max_completion_length=32,
         max_env_steps=6, logging_steps=1, report_to=[], save_strategy="no", bf16=True, learning_rate=1e-5,
-        use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.2, vllm_max_model_length=2048,
+        use_vllm=True, vllm_mode="colocate", vllm_max_model_length=2048,
+        # a KV cache of its own size: bench/gpu_check.py --jobs runs this beside other processes on the GPU
+        vllm_gpu_memory_utilization=0.05, vllm_engine_kwargs={"kv_cache_memory_bytes": 2**30},
     )
     trainer = GiGPOTrainer(tiny_model_path, args=config, train_dataset=task_dataset(range(16)))
     trainer.train()

@@ -4,6 +4,10 @@ merging and the summary writer, so that the GPU command does not rot between GPU
 from __future__ import annotations
 
 import json
+import sys
+import threading
+import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -104,6 +108,10 @@ def test_update_keeps_the_earlier_checks_that_are_not_run_again(tmp_path):
     [
         (["--steps", "0"], "--steps must be at least 1, got 0"),
         (["--timeout", "0"], "--timeout must be at least 1 second, got 0"),
+        (["--jobs", "0"], "--jobs must be at least 1, got 0"),
+        (["--time-limit", "0"], "--time-limit must be at least 1 second, got 0"),
+        (["--vllm-gpu-memory-utilization", "1.5"], "--vllm-gpu-memory-utilization must be in (0, 1], got 1.5"),
+        (["--vllm-kv-cache-gib", "0"], "--vllm-kv-cache-gib must be above 0, got 0.0"),
         (["--only", "train_everything"], "invalid choice: 'train_everything'"),
         (["--update", "/nonexistent/results.json"], "--update /nonexistent/results.json: no such results file"),
         (["--update", "{not_json}"], ": not JSON ("),
@@ -170,3 +178,68 @@ def test_an_adapter_mode_check_reports_its_sync_times_and_the_adapters_size():
                          "of 18.1 MiB (the adapter)")
     assert gpu_check._figures_text("qlora", {**figures, "sync_seconds": [], "adapter_sync_mib": None}).startswith(
         "3 iterations, 9.5 s each")
+
+
+def test_jobs_run_checks_at_once_and_report_each_as_it_ends_in_the_checks_order():
+    """--jobs 2: two checks that can end only together (each waits for the other at a barrier) both pass; the
+    results keep the order of the checks, and `on_result` sees them grow one check at a time."""
+    checks = [Check("a", ("cuda",), 10, ""), Check("b", ("cuda",), 10, ""), Check("c", ("cuda",), 10, "")]
+    barrier = threading.Barrier(2, timeout=20)
+
+    def meets_the_other(options, log):
+        barrier.wait()  # raises BrokenBarrierError (a failed check) if the other never comes
+        return {"problems": []}
+
+    seen = []
+    runners = {"a": meets_the_other, "b": meets_the_other, "c": lambda options, log: {"problems": []}}
+    options = SimpleNamespace(jobs=2, deadline=None)
+    results = run_checks(checks, options, {"cuda": True}, runners=runners,
+                         on_result=lambda so_far: seen.append([r["name"] for r in so_far]))
+
+    assert [(r["name"], r["status"]) for r in results] == [("a", "pass"), ("b", "pass"), ("c", "pass")]
+    assert [len(names) for names in seen] == [1, 2, 3] and seen[-1] == ["a", "b", "c"]
+
+
+def test_the_time_limit_stops_a_running_check_as_unfinished_and_starts_no_other(tmp_path):
+    """A worker still running at --time-limit is stopped (its process timed out) and its check ends 'unfinished';
+    a check reached after the limit is 'not run'; both say why."""
+    checks = [Check("slow", ("cuda",), 600, ""), Check("later", ("cuda",), 600, "")]
+
+    def slow(options, log):
+        finished = gpu_check._run([sys.executable, "-c", "import time; time.sleep(60)"],
+                                  gpu_check.check_timeout(options, 600), log)
+        return {"problems": [finished["error"]]}
+
+    options = SimpleNamespace(jobs=1, deadline=time.monotonic() + 2, time_limit=2, timeout=None)
+    started = time.monotonic()
+    results = run_checks(checks, options, {"cuda": True}, runners={"slow": slow, "later": slow})
+
+    assert time.monotonic() - started < 30
+    assert results[0]["status"] == "unfinished"
+    assert results[0]["figures"]["why"] == "stopped at the run's --time-limit of 2 s"
+    assert results[1] == {"name": "later", "status": "not run", "seconds": 0.0,
+                          "reason": "the run's --time-limit of 2 s was reached before it started"}
+    report = {"date": "2026-11-28", "seconds": 2.0, "notes": [], "checks": results,
+              "machine": {"gpu": None, "versions": {}}}
+    text = write_summary(report, tmp_path / "gpu.md").read_text()
+    assert "0 passed, 0 failed, 0 skipped, 1 unfinished, 1 not run." in text
+    assert "| `later` | not run | 0 | the run's --time-limit of 2 s was reached before it started |" in text
+    assert "| `slow` | unfinished | " in text and "stopped at the run's --time-limit of 2 s:" in text
+
+
+def test_each_worker_process_gets_a_port_of_its_own_for_torch_distributed(monkeypatch):
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    command = [sys.executable, "-c", "import os; print(os.environ['MASTER_PORT'])"]
+    ports = {gpu_check._run(command, 60, None)["stdout"].strip() for _ in range(3)}
+    assert len(ports) == 3 and all(port.isdigit() for port in ports)
+    launcher = gpu_check.deepspeed_launcher(2, num_processes=2)
+    assert launcher[launcher.index("--main_process_port") + 1].isdigit()
+
+
+def test_the_vllm_options_size_each_colocated_engine_and_leave_the_servers_to_its_command_line():
+    options = SimpleNamespace(vllm_gpu_memory_utilization=0.05, vllm_kv_cache_gib=2.0)
+    assert gpu_check.vllm_settings(options) == {"vllm_gpu_memory_utilization": 0.05,
+                                                "vllm_engine_kwargs": {"kv_cache_memory_bytes": 2 * 2**30}}
+    assert gpu_check.vllm_settings(SimpleNamespace(vllm_gpu_memory_utilization=0.25, vllm_kv_cache_gib=None)) == {
+        "vllm_gpu_memory_utilization": 0.25}
+    assert gpu_check.vllm_settings(options, server=True) == {}

@@ -389,6 +389,29 @@ def test_the_adapter_sync_refuses_an_engine_without_lora_or_of_a_smaller_rank(tm
         AdapterSync(merged.vllm_generation)
 
 
+def test_vllm_engine_kwargs_reach_the_engine_beside_the_adapter_modes_and_it_trains(tmp_path, vllm_model_path,
+                                                                                   monkeypatch):
+    """vllm_engine_kwargs are added to TRL's engine start, in both LoRA sync modes (the adapter mode adds its LoRA
+    arguments beside them), and the engine they started generates every turn of a training run."""
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE")  # vLLM's CPU platform would size the cache from it instead
+    kv_cache_bytes = 64 * 2**20
+    for lora_sync in ("adapter", "merged"):
+        config = vllm_config(tmp_path / lora_sync, vllm_lora_sync=lora_sync, max_steps=1,
+                             vllm_engine_kwargs={"kv_cache_memory_bytes": kv_cache_bytes, "enforce_eager": True})
+        trainer = GiGPOTrainer(vllm_model_path, args=config, train_dataset=task_dataset(range(4)),
+                               peft_config=lora_config())
+        engine = trainer.vllm_generation.llm.llm_engine.vllm_config
+        assert engine.cache_config.kv_cache_memory_bytes == kv_cache_bytes
+        assert engine.model_config.enforce_eager is True
+        assert (engine.lora_config is not None) == (lora_sync == "adapter")
+        trainer.train()
+        logs = [entry for entry in trainer.state.log_history if "env/step_samples" in entry]
+        assert len(logs) == 1 and logs[0]["env/step_samples"] > 0
+        trainer.close_environments()
+        del trainer, engine
+        shut_down_engines()
+
+
 def test_the_adapter_mode_refuses_a_4bit_base_where_vllm_cannot_load_it_in_4_bits(tmp_path, vllm_model_path):
     # QLoRA: vLLM must run the 4-bit base the adapter trains on (TRL starts it with quantization='bitsandbytes').
     from transformers import BitsAndBytesConfig
