@@ -9,6 +9,10 @@ times in all, before the episode's first turn (so no generation call is added); 
 cannot start comes back truncated with the reason. With `processes=False` environments run in this
 process instead: exceptions are still caught, but a crash or a hang is not survivable (use it for
 pure-Python environments).
+
+Workers are forked by a `ForkServer` (the trainer's, created before it starts any thread, or the pool's own), not by
+this process, whose threads may hold locks that a child forked from it would wait on forever. Every worker reports
+that it started; one that does not within `start_timeout` is killed, counted (`num_start_failures`) and forked again.
 """
 
 from __future__ import annotations
@@ -26,10 +30,12 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 from gigpo_trl.envs import ANCHOR_KINDS, INFO_ANCHOR_KIND, EnvOutput, TextEnv
+from gigpo_trl.fork_server import ForkServer, threads_at_fork
 from gigpo_trl.metric_names import ENV_ERROR_SHARE
 from gigpo_trl.tasks import Task
 
 INFO_ENV_ERROR = "env_error"
+START_ATTEMPTS = 3  # times a worker that did not report its start is forked again before its requests fail
 ENDS_HERE = f"its trajectory ends here (the run goes on; logged as {ENV_ERROR_SHARE})"
 
 
@@ -56,7 +62,12 @@ class EnvPool:
             reset_timeout` seconds for a reset that hangs every time.
         processes: one worker process per environment (True) or everything in this process (False).
         start_method: multiprocessing start method; default "fork" where available (fast, and works
-            with environments defined in a notebook), else "spawn".
+            with environments defined in a notebook), else "spawn". With "fork" the workers are forked by
+            `fork_server`, or by a fork server of the pool's own, started with the pool.
+        start_timeout: seconds a new worker may take to report that it started before it is killed and forked
+            again (`START_ATTEMPTS` times in all).
+        fork_server: the fork server of the pool's owner (`GiGPOTrainer` starts one before any thread of its own);
+            the pool does not close it.
         name: the environment's name, used in warnings.
     """
 
@@ -71,29 +82,32 @@ class EnvPool:
         reset_attempts: int = 3,
         processes: bool = True,
         start_method: str | None = None,
+        start_timeout: float = 20.0,
+        fork_server: ForkServer | None = None,
         name: str | None = None,
     ):
         if num_groups < 1 or group_size < 1:
             raise ValueError(f"num_groups and group_size must be >= 1, got {num_groups} and {group_size}")
-        if step_timeout <= 0 or reset_timeout <= 0:
-            raise ValueError(f"timeouts must be > 0, got step_timeout={step_timeout}, reset_timeout={reset_timeout}")
+        if step_timeout <= 0 or reset_timeout <= 0 or start_timeout <= 0:
+            raise ValueError(f"timeouts must be > 0, got step_timeout={step_timeout}, reset_timeout={reset_timeout}, "
+                             f"start_timeout={start_timeout}")
         if reset_attempts < 1:
             raise ValueError(f"reset_attempts must be >= 1, got {reset_attempts}")
         self.env_fn = env_fn
         self.num_groups, self.group_size = num_groups, group_size
         self.step_timeout, self.reset_timeout, self.reset_attempts = step_timeout, reset_timeout, reset_attempts
+        self.start_timeout = start_timeout
         self.processes = processes
         self.name = name or getattr(env_fn, "__name__", repr(env_fn))
-        self.num_restarts = 0
+        self.num_restarts = self.num_start_failures = 0
         self._last_observations = [""] * self.num_envs
         if processes:
             method = start_method or ("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
             self._context = multiprocessing.get_context(method)
-            gc.freeze()  # forked workers then share the parent's objects instead of copying them on gc
-            try:
-                self._workers = [_Worker(self._context, env_fn) for _ in range(self.num_envs)]
-            finally:
-                gc.unfreeze()
+            self._own_fork_server = method == "fork" and fork_server is None
+            self._fork_server = (ForkServer(start_timeout) if self._own_fork_server else fork_server) if method == "fork" else None
+            self._workers = [self._new_worker() for _ in range(self.num_envs)]
+            self._check_started(range(self.num_envs))
         else:
             self._inline_envs: list[TextEnv | None] = [None] * self.num_envs
 
@@ -132,6 +146,8 @@ class EnvPool:
         if self.processes:
             for worker in self._workers:
                 worker.close()
+            if self._own_fork_server and self._fork_server is not None:
+                self._fork_server.close()
         else:
             for env in self._inline_envs:
                 if env is not None:
@@ -217,9 +233,66 @@ class EnvPool:
         """Kill the worker of `env_id` (`died`: it is exiting by itself), start a fresh one; returns the
         reason with the exit status."""
         status = self._workers[env_id].kill(grace=5.0 if died else 0.0)
-        self._workers[env_id] = _Worker(self._context, self.env_fn)
+        self._workers[env_id] = self._new_worker()
         self.num_restarts += 1
+        self._check_started([env_id])
         return f"{reason}{status}; environment restarted"
+
+    def _new_worker(self) -> _Worker:
+        """A worker process serving a fresh environment, forked by the fork server where there is one and it can
+        receive `env_fn`, else by this process."""
+        if self._fork_server is not None:
+            try:
+                return _Worker(*self._fork_server.start(_serve, (self.env_fn,)))
+            except (pickle.PickleError, AttributeError, TypeError) as exc:  # a lambda, a class defined since
+                warnings.warn(
+                    f"environment {self.name!r}: its factory cannot be sent to the environment fork server ({exc}); "
+                    "its workers are forked from this process instead, where a lock another thread holds at the fork "
+                    f"can stop a worker's start (it is then forked again after start_timeout={self.start_timeout:g} s). "
+                    "Define the environment at a module's top level, before the trainer is built.",
+                    EnvironmentFailureWarning, stacklevel=4)
+                if self._own_fork_server:
+                    self._fork_server.close()
+                self._fork_server = None
+        connection, child_end = self._context.Pipe()
+        process = self._context.Process(target=_serve, args=(child_end, self.env_fn), daemon=True)
+        gc.freeze()  # the forked worker then shares this process's objects instead of copying them on gc
+        try:
+            process.start()
+        finally:
+            gc.unfreeze()
+        child_end.close()
+        return _Worker(process, connection)
+
+    def _check_started(self, env_ids: Sequence[int]) -> None:
+        """Wait for each new worker of `env_ids` to report that it started; one that does not within
+        `start_timeout` is killed, counted, warned about and forked again, `START_ATTEMPTS` times in all (then its
+        next request fails at once and it is replaced)."""
+        pending = list(env_ids)
+        for attempt in range(1, START_ATTEMPTS + 1):
+            cause = ("it was forked by the environment fork server" if self._fork_server is not None else
+                     f"it was forked from this process while {threads_at_fork()}: a lock one of them held at the fork "
+                     "(huggingface_hub's HTTP session during a request, for one) is the likely cause")
+            deadline = time.monotonic() + self.start_timeout
+            waiting, died = {self._workers[i].connection: i for i in pending}, []
+            while waiting and (remaining := deadline - time.monotonic()) > 0:
+                for connection in multiprocessing.connection.wait(list(waiting), timeout=remaining):
+                    i = waiting.pop(connection)
+                    if self._workers[i].receive() is None:  # died before it could report
+                        died.append(i)
+            pending = sorted([*waiting.values(), *died])
+            for i in pending:
+                self._workers[i].kill()
+                self.num_start_failures += 1
+                self.num_restarts += 1
+                again = (f"forked again (attempt {attempt + 1} of {START_ATTEMPTS})" if attempt < START_ATTEMPTS else
+                         "left stopped: its next request fails and starts it again")
+                warnings.warn(f"environment {self.name!r} #{i}: its worker process did not start within "
+                              f"{self.start_timeout:g} s ({cause}); {again}", EnvironmentFailureWarning, stacklevel=4)
+                if attempt < START_ATTEMPTS:
+                    self._workers[i] = self._new_worker()
+            if not pending:
+                return
 
     def _check_group_starts(self, tasks: Sequence[Task], outputs: dict[int, EnvOutput]) -> None:
         for g, task in enumerate(tasks):
@@ -260,13 +333,11 @@ def _describe(exc: BaseException) -> str:
 
 
 class _Worker:
-    """One worker process owning one environment, spoken to over a pipe."""
+    """One worker process owning one environment, spoken to over a pipe: a `multiprocessing.Process` or a
+    `ForkedProcess` of the fork server."""
 
-    def __init__(self, context: multiprocessing.context.BaseContext, env_fn: Callable[[], TextEnv]):
-        self.connection, child_end = context.Pipe()
-        self.process = context.Process(target=_serve, args=(child_end, env_fn), daemon=True)
-        self.process.start()
-        child_end.close()
+    def __init__(self, process: Any, connection: multiprocessing.connection.Connection):
+        self.process, self.connection = process, connection
 
     def send(self, request: tuple[str, Any]) -> bool:
         try:
@@ -305,6 +376,7 @@ def _serve(connection: multiprocessing.connection.Connection, env_fn: Callable[[
     """Worker process: create the environment on first use, answer requests until told to close."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
     parent = os.getppid()
+    connection.send_bytes(pickle.dumps(("ready", os.getpid())))  # the pool waits for it (`_check_started`)
     env = None
     while True:
         if not connection.poll(1.0):

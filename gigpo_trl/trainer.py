@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import multiprocessing
 import os
 import textwrap
 import time
@@ -21,6 +22,7 @@ from gigpo_trl.dialogue import DUMMY_PROMPT, Completion, Dialogue, Messages, Pro
 from gigpo_trl.dynamic_sampling import extra_task_rows, filter_by_return_std, sample_groups
 from gigpo_trl.env_pool import EnvPool
 from gigpo_trl.envs import TextEnv, env_factory
+from gigpo_trl.fork_server import ForkServer
 from gigpo_trl.generation import (
     completions_from_tokens, greedy_decoding, over_long_prompts, prompt_token_limit, vllm_awake,
 )
@@ -151,6 +153,8 @@ class GiGPOTrainer(GiGPOLossMixin, RunLogsMixin, GRPOTrainer):
                 environment_factory, reward_funcs, train_dataset, eval_dataset, tasks_per_rollout, args.max_steps)
         check_task_datasets(train_dataset, eval_dataset, tasks_per_rollout, seeds=environment_factory is None,
                             indexed=args.dynamic_sampling_max_rounds > 0)
+        # Before TRL (its telemetry ping) or vLLM start a thread: the environment workers are forked from this quiet copy
+        self._fork_server = ForkServer() if args.env_processes and "fork" in multiprocessing.get_all_start_methods() else None
         with vllm_engine_for(args, model, peft_config):  # vllm_lora_sync='adapter': vLLM starts with LoRA
             super().__init__(
                 model=model, reward_funcs=environment_reward, args=args, train_dataset=train_dataset,
@@ -354,16 +358,21 @@ class GiGPOTrainer(GiGPOLossMixin, RunLogsMixin, GRPOTrainer):
                 step_timeout=self.args.step_timeout,
                 reset_attempts=self.args.env_reset_attempts,
                 processes=self.args.env_processes,
+                fork_server=self._fork_server,
                 name=self.env_name,
             )
             self._pools[mode] = pool
         return pool
 
     def close_environments(self) -> None:
-        """Stop the environment worker processes (they also stop when the program exits)."""
+        """Stop the environment worker processes and their fork server (they also stop when the program exits); a
+        later rollout starts new ones, forked by a fork server of their pool's own."""
         for pool in self._pools.values():
             pool.close()
         self._pools.clear()
+        if self._fork_server is not None:
+            self._fork_server.close()
+            self._fork_server = None
 
     def _max_across_processes(self, value: int) -> int:
         return int(self.accelerator.gather(torch.tensor([value], device=self.accelerator.device)).max().item())

@@ -1,0 +1,199 @@
+"""A worker forked while another thread of the trainer holds a lock must still start (issue: the first rollout froze
+for 10 minutes outside CI). Each scenario runs as a script in a process of its own, as a user's run would: the
+locks it holds on purpose, huggingface_hub's HTTP session's, would stay held in the test process otherwise.
+
+The lock held is the one the issue's stack dump showed: the connection pool's lock of huggingface_hub's HTTP session,
+which TRL's telemetry thread holds during a request (TRL sends its ping when a trainer is built, unless `CI` is set)
+and which the hub's at-fork hook takes in every forked child.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+# An environment defined in the script itself (its __main__), as a user plugs in their own, and the hub lock holder.
+PREAMBLE = '''
+import json, sys, threading, time, warnings
+from huggingface_hub.utils import get_session
+
+class CompassGrid:
+    """Walk north to the exit, 2 rooms away; other moves waste the turn."""
+    def reset(self, *, seed=None, options=None):
+        self.distance = 2
+        return self._observation(), self._info()
+    def step(self, action):
+        if action == "north":
+            self.distance -= 1
+        won = self.distance == 0
+        return self._observation(), float(won), won, False, self._info()
+    def close(self):
+        pass
+    def _observation(self):
+        return f"The exit is {self.distance} rooms north."
+    def _info(self):
+        return {"anchor": self.distance, "admissible_actions": ["north", "south"], "won": self.distance == 0}
+
+def hold_hub_session_lock(until):
+    """A thread holds the connection pool's lock of huggingface_hub's HTTP session until the event `until`."""
+    lock, held, released = get_session()._transport._pool._optional_thread_lock, threading.Event(), threading.Event()
+    def hold():
+        with lock:
+            held.set()
+            until.wait()
+        released.set()
+    threading.Thread(target=hold, name="hub-request-in-flight", daemon=True).start()
+    held.wait()
+    return released
+'''
+
+
+def run_script(body: str, tmp_path: Path, timeout: float, environment: dict | None = None) -> dict:
+    """Run PREAMBLE + `body` in a fresh Python, outside CI (no `CI`, telemetry on); the JSON of its last line."""
+    script = tmp_path / "scenario.py"
+    script.write_text(PREAMBLE + textwrap.dedent(body))
+    env = {name: value for name, value in os.environ.items()
+           if name not in ("CI", "HF_HUB_OFFLINE", "HF_HUB_DISABLE_TELEMETRY")}
+    env.update(PYTHONPATH=str(REPO), **(environment or {}))
+    try:
+        finished = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=timeout,
+                                  env=env, cwd=tmp_path)
+    except subprocess.TimeoutExpired as stopped:
+        pytest.fail(f"the scenario did not end within {timeout:g} s (a worker never started?): "
+                    f"{(stopped.stderr or b'')[-2000:]!r}")
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    return json.loads(finished.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture
+def black_hole_endpoint():
+    """A Hub endpoint on localhost whose connections hang, as where a cluster's network drops packets: a listening
+    socket whose queue of pending connections is full and that never accepts."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(0)
+    fillers = []
+    for _ in range(4):
+        filler = socket.socket()
+        filler.setblocking(False)
+        filler.connect_ex(server.getsockname())
+        fillers.append(filler)
+    yield f"http://127.0.0.1:{server.getsockname()[1]}"
+    for filler in fillers:
+        filler.close()
+    server.close()
+
+
+@pytest.mark.timeout(400)
+def test_a_trainer_built_outside_ci_plays_its_first_rollout_while_a_thread_holds_the_hubs_session(
+        tmp_path, tiny_model_path, black_hole_endpoint):
+    """The issue's run: an environment registered from the user's script, a trainer built with `CI` unset (TRL's
+    telemetry ping starts, to an endpoint that never answers), then, while a thread holds the hub session's lock,
+    `evaluate()` forks 8 workers. Before the fix every worker waited on that lock in the hub's at-fork hook and the
+    first rollout stood still for `reset_timeout` (600 s); the workers are now forked by the trainer's fork server,
+    forked before any thread of the trainer started."""
+    result = run_script(f'''
+        from gigpo_trl import GiGPOConfig, GiGPOTrainer, register_env, task_dataset
+        register_env("compass_grid", CompassGrid)
+        config = GiGPOConfig(output_dir="out", env_name="compass_grid", num_generations=2, per_device_train_batch_size=4,
+                             per_device_eval_batch_size=8, max_env_steps=4, max_completion_length=8, report_to=[],
+                             bf16=False, eval_greedy=True)
+        trainer = GiGPOTrainer({tiny_model_path!r}, args=config, train_dataset=task_dataset(range(8)),
+                               eval_dataset=task_dataset(range(8)))
+        telemetry = [t.name for t in threading.enumerate() if "telemetry" in t.name]
+        release = threading.Event()
+        hold_hub_session_lock(release)
+        started = time.perf_counter()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            metrics = trainer.evaluate()
+        seconds = time.perf_counter() - started
+        release.set()
+        trainer.close_environments()
+        print(json.dumps({{"seconds": seconds, "telemetry_threads": telemetry, "keys": sorted(metrics),
+                          "warnings": [str(w.message) for w in caught if "did not start" in str(w.message)]}}))
+    ''', tmp_path, timeout=300, environment={"HF_ENDPOINT": black_hole_endpoint})
+
+    assert result["telemetry_threads"], "TRL sent no telemetry ping: the scenario did not run TRL's path outside CI"
+    assert "eval_env/success_rate" in result["keys"]
+    assert result["warnings"] == []  # every worker started at its first fork
+    assert result["seconds"] < 60
+
+
+@pytest.mark.timeout(300)
+def test_a_worker_that_does_not_start_is_replaced_after_the_start_timeout_and_the_warning_names_the_threads(tmp_path):
+    """Forked from a process whose thread holds the hub session's lock (here: a factory the fork server cannot
+    receive, a lambda, so the pool forks its workers itself), a worker never starts; after `start_timeout` it is
+    killed, counted and forked again, and the warning names the threads that ran at the fork. The lock is released
+    when the first warning is shown: the second fork starts, and the pool plays its episodes."""
+    result = run_script('''
+        from gigpo_trl.env_pool import EnvPool
+        from gigpo_trl.fork_server import ForkServer
+        from gigpo_trl.tasks import Task
+        server = ForkServer()  # born before the lock is taken
+        release = threading.Event()
+        released = hold_hub_session_lock(release)
+        shown = []
+        def show(message, category, *args, **kwargs):
+            shown.append(str(message))
+            if "did not start" in str(message):
+                release.set()
+                released.wait()
+        warnings.showwarning = show
+        warnings.simplefilter("always")
+        started = time.perf_counter()
+        pool = EnvPool(lambda: CompassGrid(), 1, 2, start_timeout=2.0, fork_server=server)
+        outputs = pool.reset([Task(seed=0)])
+        stepped = pool.step({0: "north", 1: "south"})
+        print(json.dumps({"seconds": time.perf_counter() - started, "start_failures": pool.num_start_failures,
+                          "observations": [o.observation for o in outputs] + [stepped[i].observation for i in (0, 1)],
+                          "shown": shown}))
+        pool.close()
+        server.close()
+    ''', tmp_path, timeout=240)
+
+    assert result["start_failures"] >= 1
+    assert result["observations"] == ["The exit is 2 rooms north."] * 2 + ["The exit is 1 rooms north.",
+                                                                           "The exit is 2 rooms north."]
+    assert any("cannot be sent to the environment fork server" in message for message in result["shown"])
+    start_warnings = [message for message in result["shown"] if "did not start within 2 s" in message]
+    assert start_warnings and "hub-request-in-flight" in start_warnings[0] and "forked again" in start_warnings[0]
+    assert result["seconds"] < 60
+
+
+@pytest.mark.timeout(300)
+def test_a_pool_built_while_a_thread_holds_the_lock_starts_its_fork_server_again_once_it_is_free(tmp_path):
+    """A pool of its own (no trainer) starts its fork server when it is built; built while the lock is held, that
+    server's first fork does not start, is killed and forked again after the start timeout, with a warning naming
+    the threads; then its workers serve an environment defined in the script."""
+    result = run_script('''
+        from gigpo_trl.env_pool import EnvPool
+        from gigpo_trl.tasks import Task
+        release = threading.Event()
+        released = hold_hub_session_lock(release)
+        shown = []
+        def show(message, category, *args, **kwargs):
+            shown.append(str(message))
+            release.set()
+            released.wait()
+        warnings.showwarning = show
+        warnings.simplefilter("always")
+        pool = EnvPool(CompassGrid, 2, 2, start_timeout=2.0)
+        outputs = pool.reset([Task(seed=0), Task(seed=1)])
+        print(json.dumps({"server_start_failures": pool._fork_server.start_failures, "shown": shown,
+                          "observations": [o.observation for o in outputs]}))
+        pool.close()
+    ''', tmp_path, timeout=240)
+
+    assert result["server_start_failures"] == 1
+    assert len(result["shown"]) == 1 and "hub-request-in-flight" in result["shown"][0]
+    assert result["observations"] == ["The exit is 2 rooms north."] * 4
