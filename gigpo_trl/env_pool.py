@@ -30,7 +30,7 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 from gigpo_trl.envs import ANCHOR_KINDS, INFO_ANCHOR_KIND, EnvOutput, TextEnv
-from gigpo_trl.fork_server import ForkServer, threads_at_fork
+from gigpo_trl.fork_server import ForkServer, release_inherited_sockets, threads_at_fork
 from gigpo_trl.metric_names import ENV_ERROR_SHARE
 from gigpo_trl.tasks import Task
 
@@ -375,6 +375,7 @@ class _Worker:
 def _serve(connection: multiprocessing.connection.Connection, env_fn: Callable[[], TextEnv]) -> None:
     """Worker process: create the environment on first use, answer requests until told to close."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
+    release_inherited_sockets(keep=connection.fileno())  # a process group's port, say, stays the trainer's alone
     parent = os.getppid()
     connection.send_bytes(pickle.dumps(("ready", os.getpid())))  # the pool waits for it (`_check_started`)
     env = None

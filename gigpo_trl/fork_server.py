@@ -22,6 +22,7 @@ import multiprocessing.connection
 import os
 import pickle
 import signal
+import stat
 import threading
 import time
 import traceback
@@ -37,6 +38,29 @@ class WorkerStartError(RuntimeError):
 
 class WorkerStartWarning(UserWarning):
     """A process did not report that it started within its start timeout; it was killed and forked again."""
+
+
+def release_inherited_sockets(keep: int) -> None:
+    """In a freshly forked child: let go of every socket it inherited but the file descriptor `keep` (its pipe to its
+    parent). A child keeps a socket open for as long as it lives: the listening socket of torch.distributed's store
+    (a process group's port, 29500 under TRL) would stay taken after the parent has closed it, and the next process
+    group started on that port would fail (EADDRINUSE). Each is replaced by /dev/null rather than closed, so that
+    objects of the parent's that still name the number in this child close /dev/null, never a file opened since.
+    Linux only (its /proc/self/fd); elsewhere nothing is done."""
+    try:
+        descriptors = [int(name) for name in os.listdir("/proc/self/fd")]
+    except OSError:
+        return
+    null = os.open(os.devnull, os.O_RDWR)
+    for descriptor in descriptors:
+        if descriptor in (0, 1, 2, keep, null):  # standard streams stay, sockets or not
+            continue
+        try:
+            if stat.S_ISSOCK(os.fstat(descriptor).st_mode):
+                os.dup2(null, descriptor)
+        except OSError:  # the listing's own descriptor, closed since
+            pass
+    os.close(null)
 
 
 def threads_at_fork() -> str:
@@ -138,6 +162,7 @@ class ForkedProcess:
 def _serve_forks(connection: multiprocessing.connection.Connection, client: int) -> None:
     """The fork server: answer fork, wait and kill requests until told to close or the client is gone."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
+    release_inherited_sockets(keep=connection.fileno())
     gc.freeze()  # the workers share this process's objects instead of copying them on garbage collection
     connection.send(("ready", None))
     exit_codes: dict[int, int | None] = {}  # pid -> exit code (None: running)

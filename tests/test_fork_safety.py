@@ -197,3 +197,36 @@ def test_a_pool_built_while_a_thread_holds_the_lock_starts_its_fork_server_again
     assert result["server_start_failures"] == 1
     assert len(result["shown"]) == 1 and "hub-request-in-flight" in result["shown"][0]
     assert result["observations"] == ["The exit is 2 rooms north."] * 4
+
+
+@pytest.mark.parametrize("forked_by", ["the fork server", "this process"])
+def test_no_worker_or_fork_server_keeps_a_port_the_trainer_has_closed(forked_by):
+    """A child keeps the sockets it inherited open for as long as it lives: torch.distributed's store, listening on the
+    process group's port when a pool forks, stayed taken after its process group ended, and the next one failed
+    (EADDRINUSE; found running the vLLM tests two at a time). Workers forked by the fork server, and those forked by
+    this process (a factory the server cannot receive), let go of every inherited socket."""
+    import warnings
+
+    from toy_envs import Corridor
+
+    from gigpo_trl.env_pool import EnvPool
+    from gigpo_trl.tasks import Task
+
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    port = listener.getsockname()[1]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the lambda's "cannot be sent to the fork server"
+        pool = EnvPool(Corridor if forked_by == "the fork server" else lambda: Corridor(), 1, 2)
+    assert pool.reset([Task(seed=0)])[0].observation.startswith("You are in cell 0")
+    listener.close()
+    again = socket.socket()
+    again.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        again.bind(("127.0.0.1", port))  # EADDRINUSE while a child still holds the listening socket
+        again.listen()
+    finally:
+        again.close()
+        pool.close()
