@@ -7,6 +7,7 @@ import os
 import tempfile
 
 import pytest
+import torch
 
 from gigpo_trl.models import build_tiny_model
 
@@ -35,6 +36,10 @@ def make_tiny_model(tmp_path_factory):
 
     return make
 
+
+if os.environ.get("PYTEST_XDIST_WORKER"):  # `pytest -n 2`: the workers share the cores, one thread each (and the
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # processes they start), instead of each taking every core
+    torch.set_num_threads(1)
 
 os.environ["GIGPO_TRL_CACHE"] = tempfile.mkdtemp(prefix="gigpo-trl-test-cache-")
 # Importing alfworld creates its data folder ($ALFWORLD_DATA, default ~/.cache/alfworld); the tests bring their own games.

@@ -10,14 +10,18 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from bench.gpu_check import free_port
+
 TESTS = Path(__file__).resolve().parent
 SCRIPT = TESTS / "distributed_run.py"
 REPO = TESTS.parent
 
 
 def torchrun(num_processes: int) -> list[str]:
-    """Plain data parallelism: torchrun's processes, gloo between them (no DeepSpeed)."""
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(num_processes)]
+    """Plain data parallelism: torchrun's processes, gloo between them (no DeepSpeed), on a free port (tests run at
+    once, `pytest -n 2`, would both take torchrun's default 29500)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(num_processes),
+            "--master_port", str(free_port())]
 
 
 def run_script(launcher: Sequence[str], *arguments: str, script: Path = SCRIPT,

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from launchers import torchrun
 from optional_packages import require
 from trl import ModelConfig, TrlParser
 
@@ -114,8 +115,7 @@ def test_the_recipe_trains_on_cookingworld_and_reports_held_out_success_per_task
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_the_recipe_runs_on_two_cpu_processes_under_torchrun(tmp_path, tiny_model_path):
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
-    result = run_recipe(launcher, tiny_model_path, tmp_path)
+    result = run_recipe(torchrun(2), tiny_model_path, tmp_path)
 
     assert "GiGPO on 2 process(es), cpu" in result.stdout
     assert "Held-out success rate" in result.stdout

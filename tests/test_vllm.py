@@ -45,7 +45,14 @@ SYNC_TOLERANCE = 0.05
 
 @pytest.fixture(scope="module", autouse=True)
 def vllm_engine_setup():
-    """On CPU: vLLM's CPU engine settings (1 GiB of KV cache, eager mode), the weight-layout shim and the LoRA ops."""
+    """Under `pytest -n N`, a port of each test process's own for its colocated engines' process group: TRL takes the
+    first free of a few fixed ports (29500 first) and keeps it in MASTER_PORT for the process's later engines, and two
+    processes starting engines at once could both take it. Worker k takes 29500 + 10 k, below the ports the system
+    hands out to other sockets (which a port taken from that range could meet later). On CPU: vLLM's CPU engine
+    settings (1 GiB of KV cache, eager mode), the weight-layout shim and the LoRA ops."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")  # "gw0", "gw1", ...
+    if worker:
+        os.environ.setdefault("MASTER_PORT", str(29500 + 10 * int(worker.removeprefix("gw"))))  # kept, as TRL keeps it
     if CUDA:
         yield
         return

@@ -1,5 +1,5 @@
 """research/runs.py and the command line of research/learning.py: the arms and their run folders, the processes'
-ports, and whole comparisons run one, two or six at a time on the tiny model."""
+ports, and whole comparisons run two or six at a time on the tiny model."""
 
 from __future__ import annotations
 
@@ -49,63 +49,56 @@ def test_an_arms_file_names_any_arms_and_its_control(tmp_path):
             read_arms(path)
 
 
+# The smallest run that exercises every path of the runner: 2 tasks x 4 copies an update, episodes of at most 6
+# steps (the rooms' treasure is 4 away), 2 updates and a 4-task panel after each.
+SMALL_RUN = ["--max_steps", "2", "--num_eval_tasks", "4", "--per_device_eval_batch_size", "4", "--eval_steps", "1",
+             "--per_device_train_batch_size", "8", "--num_generations", "4", "--max_env_steps", "6"]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_the_comparison_runs_six_processes_at_once_and_reports_the_pre_registered_decision(tiny_model_path, tmp_path):
-    import json
+def test_three_arms_run_at_once_and_the_pre_registered_decisions_compare_the_lambda_arm_with_both(tiny_model_path,
+                                                                                                   tmp_path):
+    """--parallel --step-lambda 0.5 on 2 seeds: 6 runs started at once (one process each), each run's recipe naming
+    the advantage it trains with, the summary's decisions between every pair of arms over the seeds, and
+    --analyze-only reading the runs again: finding the third arm from its folders, and comparing what the runs have
+    written when one run has no records (not started)."""
     import shutil
     import subprocess
     import sys
 
     root = Path(__file__).resolve().parents[2]
-    command = [sys.executable, str(root / "research" / "learning.py"), "--parallel", "--config",
-               str(root / "research" / "configs" / "learning_rooms_cpu.yaml"), "--model", tiny_model_path, "--output",
-               str(tmp_path), "--max_steps", "2", "--num_eval_tasks", "4", "--per_device_eval_batch_size", "4",
-               "--eval_steps", "1"]
+    command = [sys.executable, str(root / "research" / "learning.py"), "--parallel", "--step-lambda", "0.5", "--seeds",
+               "0", "1", "--config", str(root / "research" / "configs" / "learning_rooms_cpu.yaml"), "--model",
+               tiny_model_path, "--output", str(tmp_path), *SMALL_RUN]
     result = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=root)
 
     assert result.returncode == 0, result.stderr[-4000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert len(summary["wall_seconds"]) == 6 and summary["decision"].startswith(("decided", "undecided"))
-    rows = (tmp_path / "learning_curves.csv").read_text().splitlines()[1:]
-    assert {(row.split(",")[0], row.split(",")[1]) for row in rows} == {
-        (method, str(seed)) for method in ("GiGPO", "GRPO (omega=0)") for seed in range(3)}
-    assert (tmp_path / "learning_curves.png").is_file()
-    # --analyze-only compares what the runs have written so far: here one run has no records (not started).
-    shutil.rmtree(tmp_path / "gigpo-seed2" / "gigpo")
-    subprocess.run([*command[:2], "--analyze-only", "--output", str(tmp_path)], check=True, capture_output=True, cwd=root)
-    rows = (tmp_path / "learning_curves.csv").read_text().splitlines()[1:]
-    assert len({(row.split(",")[0], row.split(",")[1]) for row in rows}) == 5
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(900)
-def test_the_lambda_arm_runs_beside_gigpo_and_grpo_and_is_compared_with_both(tiny_model_path, tmp_path):
-    import json
-    import subprocess
-    import sys
-
-    root = Path(__file__).resolve().parents[2]
-    command = [sys.executable, str(root / "research" / "learning.py"), "--step-lambda", "0.5", "--seeds", "0", "--config",
-               str(root / "research" / "configs" / "learning_rooms_cpu.yaml"), "--model", tiny_model_path, "--output",
-               str(tmp_path), "--max_steps", "2", "--num_eval_tasks", "4", "--per_device_eval_batch_size", "4",
-               "--eval_steps", "1"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=root)
-
-    assert result.returncode == 0, result.stderr[-4000:]
-    # Each run's recipe says which advantage it trains with.
-    assert "A = A_E + 1 * A_S, step value lambda 0.5" in (tmp_path / "gigpo-lambda0.5-seed0.log").read_text()
-    assert "A = A_E + 1 * A_S, step value lambda 1" in (tmp_path / "gigpo-seed0.log").read_text()
-    assert "A = A_E + 0 * A_S, step value lambda 1" in (tmp_path / "grpo-seed0.log").read_text()
-    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert len(summary["wall_seconds"]) == 6
     assert summary["methods"] == ["GiGPO", "GRPO (omega=0)", "GiGPO lambda 0.5"]
     assert set(summary["decisions"]) == {"GiGPO against GRPO (omega=0)", "GiGPO lambda 0.5 against GRPO (omega=0)",
                                          "GiGPO lambda 0.5 against GiGPO"}
+    assert summary["decision"].startswith(("decided", "undecided"))
     assert set(summary["first_step_at_train_success"]["GiGPO lambda 0.5"]) == {"0.5", "0.8"}
-    # --analyze-only finds the third arm from its folder.
-    subprocess.run([*command[:2], "--analyze-only", "--seeds", "0", "--output", str(tmp_path)], check=True,
+    for seed in (0, 1):  # each run's recipe says which advantage it trains with
+        assert "A = A_E + 1 * A_S, step value lambda 0.5" in (tmp_path / f"gigpo-lambda0.5-seed{seed}.log").read_text()
+        assert "A = A_E + 1 * A_S, step value lambda 1" in (tmp_path / f"gigpo-seed{seed}.log").read_text()
+        assert "A = A_E + 0 * A_S, step value lambda 1" in (tmp_path / f"grpo-seed{seed}.log").read_text()
+    rows = (tmp_path / "learning_curves.csv").read_text().splitlines()[1:]
+    assert {(row.split(",")[0], row.split(",")[1]) for row in rows} == {
+        (method, str(seed)) for method in summary["methods"] for seed in range(2)}
+    assert (tmp_path / "learning_curves.png").is_file()
+    # --analyze-only finds the third arm from its folder ...
+    subprocess.run([*command[:2], "--analyze-only", "--seeds", "0", "1", "--output", str(tmp_path)], check=True,
                    capture_output=True, cwd=root)
     assert json.loads((tmp_path / "summary.json").read_text())["methods"] == summary["methods"]
+    # ... and compares what the runs have written so far: here one run has no records (not started).
+    shutil.rmtree(tmp_path / "gigpo-seed1" / "gigpo")
+    subprocess.run([*command[:2], "--analyze-only", "--seeds", "0", "1", "--output", str(tmp_path)], check=True,
+                   capture_output=True, cwd=root)
+    rows = (tmp_path / "learning_curves.csv").read_text().splitlines()[1:]
+    assert len({(row.split(",")[0], row.split(",")[1]) for row in rows}) == 5
 
 
 @pytest.mark.slow
@@ -121,8 +114,7 @@ def test_named_arms_run_two_at_a_time_and_are_read_again_from_their_output(tiny_
     output = tmp_path / "out"
     command = [sys.executable, str(root / "research" / "learning.py"), "--arms", str(arms), "--jobs", "2", "--seeds", "0",
                "--config", str(root / "research" / "configs" / "learning_trap_cpu.yaml"), "--model", tiny_model_path,
-               "--output", str(output), "--max_steps", "2", "--num_eval_tasks", "4", "--per_device_eval_batch_size", "4",
-               "--eval_steps", "1"]
+               "--output", str(output), *SMALL_RUN]
     result = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=root)
 
     assert result.returncode == 0, result.stderr[-4000:]
