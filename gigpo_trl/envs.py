@@ -128,6 +128,7 @@ class EnvOutput:
 # dependencies such as TextWorld out of `import gigpo_trl`).
 _REGISTRY: dict[str, EnvFactory | str] = {
     "rooms": "gigpo_trl.environments.rooms:RoomsEnv",
+    "compass": "gigpo_trl.environments.compass:CompassEnv",
     "sokoban": "gigpo_trl.environments.sokoban:SokobanEnv",
     "textworld": "gigpo_trl.environments.textworld_games:TextWorldEnv",
     "textworld_express": "gigpo_trl.environments.textworld_express_games:TextWorldExpressEnv",

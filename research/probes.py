@@ -10,6 +10,7 @@ import random
 import re
 import time
 from collections.abc import Sequence
+from typing import Any
 from pathlib import Path
 
 import numpy as np
@@ -204,19 +205,22 @@ def screen(config: Path, model: str, eval_tasks: int, sampled_tasks: int, copies
     reachable = [length for length in optimal if length is not None]
     trainer.model.train()
     rows = [train[k] for k in range(sampled_tasks) for _ in range(copies)]
-    sampled = {}
+    sampled, distance_env, distances = {}, make_env(args.env_name, **args.env_kwargs), {}
     for temperature in temperatures or [args.temperature]:
         trainer.temperature = trainer.generation_config.temperature = temperature
         trainer._generate_and_score_completions(rows)  # one sampled rollout, no update
         metrics = {name: values[-1] for name, values in trainer._metrics["train"].items() if values}
         prompt_tokens = [len(completion.prompt_ids) for completion in trainer.last_rollout.steps.completion]
+        wasted = wasted_steps(distance_env, trainer.last_rollout, args.max_env_steps, distances)
         sampled[f"{temperature:g}"] = {
             "success": metrics["env/success_rate"], "decisions_per_episode": metrics["env/episode_length_mean"],
             "truncated_share": metrics["env/truncated_share"], "invalid_action_rate": metrics["env/invalid_action_rate"],
             "prompt_tokens_mean": float(np.mean(prompt_tokens)), "prompt_tokens_max": max(prompt_tokens),
             "step_group_size_mean": metrics["gigpo/step_group_size_mean"],
             "singleton_share": metrics["gigpo/singleton_share"], "rollout_s": metrics["timing/rollout_s"],
+            **wasted,
         }
+    distance_env.close()
     trainer.close_environments()
     del trainer
     gc.collect()
@@ -231,6 +235,26 @@ def screen(config: Path, model: str, eval_tasks: int, sampled_tasks: int, copies
     if update:
         result["iteration"] = iteration_cpu_seconds(config, model, recipe_arguments)
     return result
+
+
+def wasted_steps(env: Any, rollout: Any, search_depth: int, distances: dict) -> dict[str, float]:
+    """Steps that bring no win nearer (the breadth-first distance to a win after the step is not below the one before:
+    a wrong move, a bump, an idle action, text the game does not act on), per episode and per won episode, and the
+    won episodes' decisions beyond their task's shortest path. `distances`: the distances found so far, by (seed,
+    anchor), shared across calls on the same tasks."""
+    from research.credit_probe import step_distances
+
+    before, after = step_distances(env, rollout, search_depth, distances)
+    wasted = after >= before
+    won = [episode for episode in rollout.episodes if episode.won]
+    won_rows = [row for episode in won for row in rollout.steps.rows_of(episode.trajectory)]
+    start = {episode.trajectory: before[rollout.steps.rows_of(episode.trajectory)[0]] for episode in won}
+    return {
+        "wasted_steps_per_episode": float(wasted.sum()) / max(len(rollout.episodes), 1),
+        "wasted_steps_per_won_episode": float(wasted[won_rows].sum()) / len(won) if won else float("nan"),
+        "won_decisions_beyond_shortest": (float(np.mean([episode.length - start[episode.trajectory] for episode in won]))
+                                          if won else float("nan")),
+    }
 
 
 def iteration_cpu_seconds(config: Path, model: str, recipe_arguments: Sequence[str] = ()) -> dict[str, float]:

@@ -96,6 +96,9 @@ def test_the_screen_plays_each_candidate_at_each_temperature_and_times_a_trainin
         for sampled in candidate["sampled"].values():
             assert 0 <= sampled["success"] <= 1 and 0 < sampled["decisions_per_episode"] <= limit
             assert 0 < sampled["prompt_tokens_mean"] <= sampled["prompt_tokens_max"]
+            # wasted: steps that bring no win nearer (the tiny model's answers mostly name no move: most of them)
+            assert 0 <= sampled["wasted_steps_per_episode"] <= sampled["decisions_per_episode"]
+            assert sampled["wasted_steps_per_episode"] > 0 or sampled["success"] == 1
         iteration = candidate["iteration"]
         assert iteration["rollout_cpu_s"] > 0 and iteration["update_cpu_s"] > 0
         assert 2 * 2 <= iteration["step_samples"] <= 2 * 2 * limit  # 2 tasks x 2 copies, 1 to `limit` steps each
