@@ -183,6 +183,16 @@ class GiGPOConfig(GRPOConfig):
                   "trains and the loss and gradient are those of the whole micro-batch. Evaluation runs its loss in passes "
                   "of at most this many rows (None: per_device_eval_batch_size). None: no bound (one pass per micro-batch)."},
     )
+    packed_update: bool = field(
+        default=True,
+        metadata={"help": "Fold the rows of each forward pass of the update (the loss's, the old and the reference "
+                  "log-probs') into a prefix trie, so that each token the rows share (the instructions, a step group's "
+                  "prompt, a common start of the answers) is forwarded and back-propagated once; each token's "
+                  "attention sees exactly what it sees in its own row, so log-probs, loss and gradients are those of the "
+                  "plain path within fp32 rounding. Off by itself, with one warning, for a model it cannot be exact "
+                  "for (an attention that takes no 4-D mask, non-rotary positions, sliding windows, vision inputs). "
+                  "max_step_samples_per_micro_batch still counts rows. False: every row forwarded whole (TRL's path)."},
+    )
     dynamic_sampling_max_rounds: int = field(
         default=0,
         metadata={"help": "Dynamic sampling (DAPO's): after a training rollout, the task groups without signal "

@@ -19,12 +19,15 @@ methods `GiGPOTrainer` overrides around the loss (it inherits the mixin before `
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
 from accelerate.utils import DistributedType
+from trl.trainer.utils import split_tensor_dict
 
 from gigpo_trl.metrics import merged_pass_metrics, padding_free_row_metrics
+from gigpo_trl.packing import joined, pack_rows, packing_problem, rows_by_prompt, unpack
 
 
 def row_chunks(inputs: dict[str, Any], size: int | None) -> list[dict[str, Any]]:
@@ -100,6 +103,27 @@ class GiGPOLossMixin:
         self._rollout_entropy_bonus, self._entropy_bonus_enabled = self._entropy_bonus_enabled, False
         self._loss_entropies: torch.Tensor | None = None  # of the loss's latest forward pass
         self._pass_counts: list[tuple[int, int]] = []  # real rows and tokens (all processes) of a micro-batch's passes
+        problem = packing_problem(self.model.config) if self.args.packed_update else None
+        self._packed_update = self.args.packed_update and problem is None
+        # The rows of a rollout can be ordered by prompt in place of TRL's shuffle (more sharing per micro-batch) where
+        # the update is the same whatever the split: one optimizer step per rollout, and no per-micro-batch quantile.
+        self._rows_by_prompt = self._packed_update and self.args.top_entropy_quantile == 1.0 and \
+            self.args.gradient_accumulation_steps == self.args.steps_per_generation
+        if problem:
+            warnings.warn(f"packed_update is off for this model: {problem}; every row is forwarded whole (TRL's path)",
+                          stacklevel=2)
+
+    def _prepare_inputs(self, generation_batch: dict[str, Any]) -> dict[str, Any]:
+        """GRPOTrainer's micro-batch of the rollout; under the packed update, where the split changes nothing
+        (`_setup_loss`), the rollout's rows are split in the order of their prompts (`rows_by_prompt`) rather than
+        TRL's shuffled order, so that the rows a micro-batch packs together share more."""
+        buffered = self._buffered_inputs
+        inputs = super()._prepare_inputs(generation_batch)
+        if self.model.training and self._rows_by_prompt and self._buffered_inputs is not buffered:  # a new rollout
+            self._buffered_inputs = split_tensor_dict(rows_by_prompt(joined(self._buffered_inputs)),
+                                                      self.args.steps_per_generation)
+            inputs = self._buffered_inputs[self._step % self.args.steps_per_generation]
+        return inputs
 
     def compute_loss(self, model, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch=None):
         """GRPOTrainer's loss of a training micro-batch, in passes of at most max_step_samples_per_micro_batch rows
@@ -156,13 +180,42 @@ class GiGPOLossMixin:
             with self.accelerator.no_sync(model):
                 self.accelerator.backward(loss)
 
-    def _get_per_token_logps_and_entropies(self, *args: Any, **kwargs: Any):
-        """GRPOTrainer's forward pass; the entropies of the loss's pass (`compute_entropy`) are kept for the entropy
+    def _get_per_token_logps_and_entropies(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                                           logits_to_keep: int, batch_size: int | None = None,
+                                           compute_entropy: bool = False, compute_aux_loss: bool = False,
+                                           **multimodal: Any):
+        """GRPOTrainer's forward pass (the loss's, the old and the reference log-probs'), packed where it is exact
+        (`_packed_logps_and_entropies`); the entropies of the loss's pass (`compute_entropy`) are kept for the entropy
         bonus of `_compute_loss`."""
-        outputs = super()._get_per_token_logps_and_entropies(*args, **kwargs)
-        if kwargs.get("compute_entropy"):
+        if self._packed_update and not compute_aux_loss and all(value is None for value in multimodal.values()):
+            outputs = self._packed_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, batch_size,
+                                                       compute_entropy)
+        else:
+            outputs = super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
+                **multimodal)
+        if compute_entropy:
             self._loss_entropies = outputs[1]
         return outputs
+
+    def _packed_logps_and_entropies(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                                    logits_to_keep: int, batch_size: int | None, compute_entropy: bool):
+        """`_get_per_token_logps_and_entropies` with each pass of `batch_size` rows folded into a prefix trie
+        (`pack_rows`), each shared token forwarded once: the same (B, C) log-probs and entropies, within fp32
+        rounding."""
+        batch_size = batch_size or input_ids.size(0)
+        mask_dtype = None if self.model.config._attn_implementation == "sdpa" else self.model.dtype
+        log_probs, entropies = [], []
+        for start in range(0, input_ids.size(0), batch_size):
+            packed = pack_rows(input_ids[start:start + batch_size], attention_mask[start:start + batch_size],
+                               logits_to_keep)
+            with self.accelerator.autocast():
+                outputs = model(input_ids=packed.input_ids, attention_mask=packed.attention_mask(mask_dtype),
+                                position_ids=packed.position_ids, shift_labels=packed.shift_labels, fused_lm_head=True)
+            log_probs.append(unpack(outputs.log_probs, packed.gather))
+            if compute_entropy:
+                entropies.append(unpack(outputs.entropy, packed.gather))
+        return torch.cat(log_probs), torch.cat(entropies) if compute_entropy else None, None
 
     def _compute_loss(self, model, inputs: dict[str, Any]) -> torch.Tensor:
         """GRPOTrainer's loss (exact under padding rows: see SUPPORTED_LOSS_TYPES) minus the entropy bonus as a token

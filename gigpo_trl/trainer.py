@@ -68,6 +68,9 @@ class GiGPOTrainer(GiGPOLossMixin, RunLogsMixin, GRPOTrainer):
     - `_compute_loss` calls the parent's, corrects its per-row metrics for the padding rows, and subtracts the entropy
       bonus (`entropy_coef`) as a token mean over the rollout, where the parent's is a mean per micro-batch
       (`entropy_bonus`); `_get_per_token_logps_and_entropies` keeps the entropies of the loss's pass for it.
+    - `_get_per_token_logps_and_entropies` folds the rows of each forward pass of the update into a prefix trie
+      (`packed_update`, `gigpo_trl.packing`): each token the rows share is forwarded once, with the parent's log-probs
+      and gradients; `_prepare_inputs` then splits a rollout's rows by prompt where the split changes no update.
     - `evaluate` keeps its time out of `timing/update_s`; `log` first recomputes an evaluation's episode metrics over
       its distinct tasks, and adds to a training step's log its gradient norm's spike ratio, checks it for a policy
       that loops (`gigpo_trl.loops`) and records it for the report.
@@ -77,8 +80,7 @@ class GiGPOTrainer(GiGPOLossMixin, RunLogsMixin, GRPOTrainer):
       generation names (`gigpo_trl.vllm_lora`).
     - `_name`, `_tag_names` and `_paper`: the model card (`create_model_card`, which `push_to_hub` and every checkpoint
       run) names GiGPO, is tagged `gigpo` and cites the GiGPO paper.
-    The loss itself, reference and old log-probs (`_get_per_token_logps_and_entropies`), PEFT, DeepSpeed/FSDP,
-    checkpointing and logging are otherwise inherited unchanged.
+    The loss itself, PEFT, DeepSpeed/FSDP, checkpointing and logging are otherwise inherited unchanged.
 
     Args:
         model: a Hub model id, a local directory, `gigpo_trl.EMBEDDED_MODEL` (SmolLM2-135M-Instruct from

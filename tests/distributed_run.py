@@ -63,7 +63,7 @@ def main(options: argparse.Namespace) -> None:
         max_steps=2, max_env_steps=15, max_completion_length=8, learning_rate=1e-3, logging_steps=1,
         report_to=[], activation_checkpointing=False, shuffle_dataset=False, seed=0, per_device_eval_batch_size=4,
         bf16=False, beta=options.beta, entropy_coef=options.entropy_coef,
-        max_step_samples_per_micro_batch=options.max_step_samples, **sampling,
+        max_step_samples_per_micro_batch=options.max_step_samples, packed_update=not options.plain_update, **sampling,
         **({"save_strategy": "steps", "save_steps": options.save_steps} if options.save_steps else {"save_strategy": "no"}),
     )
     peft_config = None
@@ -160,6 +160,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--entropy-coef", type=float, default=0.0, help="the entropy bonus's coefficient")
     parser.add_argument("--max-step-samples", type=int, default=None,
                         help="max_step_samples_per_micro_batch: the loss's passes of at most this many rows")
+    parser.add_argument("--plain-update", action="store_true", help="packed_update False: every row forwarded whole")
     parser.add_argument("--lora", action="store_true", help="train a LoRA adapter (r 8, all linear layers)")
     parser.add_argument("--save-steps", type=int, default=None, help="save a checkpoint every this many steps")
     parser.add_argument("--resume-from", default=None, help="a checkpoint folder to resume training from")

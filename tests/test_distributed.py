@@ -27,8 +27,9 @@ def launch(num_processes: int, model_dir: str, output_dir, *options: str) -> tup
     return written["logs"], written["evaluation"]
 
 
-# The two runs compared with each other: both with the entropy bonus; the two processes' in passes of one row (the
-# memory bound), the one process's in one pass per micro-batch. Padding rows: process 0's episodes are short.
+# The two runs compared with each other: both with the entropy bonus; the two processes' packed (the default
+# packed_update) in passes of one row (the memory bound), the one process's with every row forwarded whole (TRL's path)
+# in one pass per micro-batch. Padding rows: process 0's episodes are short.
 ENTROPY_COEF = 0.1
 
 
@@ -40,7 +41,8 @@ def two_processes(tiny_model_path, tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="module")
 def one_process(tiny_model_path, tmp_path_factory) -> dict:
-    return finished_run(torchrun(1), tiny_model_path, tmp_path_factory.mktemp("one"), "--entropy-coef", str(ENTROPY_COEF))
+    return finished_run(torchrun(1), tiny_model_path, tmp_path_factory.mktemp("one"), "--entropy-coef", str(ENTROPY_COEF),
+                        "--plain-update")
 
 
 @pytest.mark.slow
@@ -72,8 +74,9 @@ def test_two_processes_with_uneven_episodes_finish_and_match_one_process(two_pro
 @pytest.mark.timeout(900)
 def test_the_entropy_bonus_and_the_memory_bound_leave_two_processes_update_that_of_one(two_processes, one_process):
     # The same samples (scripted answers) make the same update: the loss is a token mean over the rollout, the entropy
-    # bonus too (TRL's mean per micro-batch would weigh process 0's few real tokens as much as process 1's many), and
-    # passes of one row accumulate the gradient of the whole micro-batch.
+    # bonus too (TRL's mean per micro-batch would weigh process 0's few real tokens as much as process 1's many),
+    # passes of one row accumulate the gradient of the whole micro-batch, and the packed forward passes give the plain
+    # ones' log-probs and gradients.
     for ours, theirs in zip(two_processes["logs"], one_process["logs"]):
         for name in ("loss", "grad_norm", "entropy", "entropy_coef"):
             assert ours[name] == pytest.approx(theirs[name], rel=1e-5), name

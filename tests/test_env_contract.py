@@ -29,6 +29,7 @@ def openenv_corridor() -> dict[str, Any]:
 
 # Shipped name -> (keyword arguments of a small task, what it needs to run here or None)
 CASES: dict[str, tuple[Any, str | None]] = {
+    "compass": ({}, None),
     "rooms": ({}, None),
     "sokoban": ({}, None),
     "textworld": ({"challenge": "treasure_hunter", "level": 1}, None),
