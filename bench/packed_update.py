@@ -36,7 +36,7 @@ def config_batch(config: str, model: str, recipe_arguments: list[str]):
 
     from gigpo_trl import GiGPOConfig, GiGPOTrainer, TaskArguments
 
-    overrides = ["--output_dir", str(ROOT / "outputs" / "packed_update"), "--report_to", "none",
+    overrides = ["--output_dir", str(ROOT / "outputs" / "packed_update"), "--report_to", "none", "--eval_strategy", "no",
                  "--log_trajectories", "0", "--save_strategy", "no"]
     task_args, args, _ = TrlParser((TaskArguments, GiGPOConfig, ModelConfig)).parse_args_and_config(
         args=["--config", config, *recipe_arguments, *overrides])

@@ -10,9 +10,11 @@ exactly its ancestors and itself, and its position is its depth, so each node's 
 path computes at that token (under rotary positions, which depend on position differences only).
 
 A node's hidden state scores one next token (`shift_labels`). Where rows that share a node go on with different
-completion tokens, each needs the node's hidden state to score its own next token, so a node is keyed by the token it
-scores as well as by its path: such rows part one token earlier, and every completion token is scored exactly once per
-distinct path, its log-prob handed to every row on that path (`unpack`), its gradient summed over them.
+completion tokens, each needs the node's hidden state to score its own next token, so such rows part one token
+earlier; a node that scores nothing for one row (a prompt position) is shared with a row for which it scores. Every
+completion token is scored exactly once per distinct path, its log-prob handed to every row on that path (`unpack`),
+its gradient summed over them. Where a step's prompt extends the previous step sample token for token (a
+conversation), a trajectory's rows form one path: its tokens are forwarded once, however many steps it has.
 
 The trie is cut into packed rows of at most `capacity` nodes (rows are inserted in sorted order, so rows that share a
 prefix sit together); a packed row's attention is dense over its nodes, so `capacity` bounds the attention's cost
@@ -132,28 +134,40 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_
         # each token but the last, with the token its hidden state scores: the next one, where that is an answer's
         # (the last token's hidden state scores nothing: it is not forwarded)
         keys = [(token, sequence[i + 1] if i + 1 >= prompt_length else IGNORED) for i, token in enumerate(sequence[:-1])]
-        if not bins or len(bins[-1]["tokens"]) + new_nodes(bins[-1]["children"], keys) > capacity:
+        if not bins or len(bins[-1]["tokens"]) + new_nodes(bins[-1], keys) > capacity:
             bins.append({"tokens": [], "parents": [], "scores": [], "children": {}})
         trie = bins[-1]
         parent = -1
-        for position, key in enumerate(keys):
-            node = trie["children"].get((parent, key))
+        for position, (token, score) in enumerate(keys):
+            node = matching_node(trie, parent, token, score)
             if node is None:
-                node = trie["children"][(parent, key)] = len(trie["tokens"])
-                trie["tokens"].append(key[0])
-                trie["scores"].append(key[1])
+                node = len(trie["tokens"])
+                trie["children"].setdefault((parent, token), []).append(node)
+                trie["tokens"].append(token)
+                trie["scores"].append(score)
                 trie["parents"].append(parent)
+            elif score != IGNORED:
+                trie["scores"][node] = score
             if position + 1 >= prompt_length:
                 gather[index][position + 1 - prompt_length] = (len(bins) - 1, node)
             parent = node
     return packed_tensors(bins, gather, input_ids.device)
 
 
-def new_nodes(children: dict, keys: list[tuple[int, int]]) -> int:
+def matching_node(trie: dict, parent: int, token: int, score: int) -> int | None:
+    """A child of `parent` holding `token` whose hidden state can score `score` too: one that scores the same token
+    or none (a prompt position of another row), or any, where `score` is IGNORED. None: the path needs a new node."""
+    for node in trie["children"].get((parent, token), ()):
+        if score in (IGNORED, trie["scores"][node]) or trie["scores"][node] == IGNORED:
+            return node
+    return None
+
+
+def new_nodes(trie: dict, keys: list[tuple[int, int]]) -> int:
     """How many nodes a path of (token, scored token) keys adds to a trie."""
     parent = -1
-    for matched, key in enumerate(keys):
-        parent = children.get((parent, key))
+    for matched, (token, score) in enumerate(keys):
+        parent = matching_node(trie, parent, token, score)
         if parent is None:
             return len(keys) - matched
     return 0

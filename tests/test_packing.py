@@ -74,6 +74,16 @@ def test_rows_that_share_a_prefix_share_its_nodes_and_each_node_sees_its_path():
     assert unpack(torch.arange(6.0).view(1, 6), packed.gather).tolist() == [[2, 3], [2, 4], [5, 0]]
 
 
+def test_a_trajectory_whose_prompts_extend_its_previous_step_samples_forwards_its_last_step_only():
+    # steps of one conversation: each prompt is the previous prompt and answer, then the next observation
+    rows = [([1, 2], [3, 4]), ([1, 2, 3, 4, 5], [6, 7]), ([1, 2, 3, 4, 5, 6, 7, 8], [9])]
+    packed = pack_rows(*padded(rows, 2), 2)
+    assert packed.tokens == 8  # 1..8: the last step's tokens but its last
+    assert packed.input_ids.tolist() == [[1, 2, 3, 4, 5, 6, 7, 8]]
+    assert packed.shift_labels.tolist() == [[IGNORED, 3, 4, IGNORED, 6, 7, IGNORED, 9]]
+    assert packed.gather.tolist() == [[1, 2], [4, 5], [7, 8]]
+
+
 def test_the_capacity_cuts_the_trie_into_packed_rows_and_a_longer_row_gets_its_own():
     input_ids, attention_mask = padded(ROWS)
     whole = pack_rows(input_ids, attention_mask, 5, capacity=1000)
