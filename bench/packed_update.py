@@ -50,7 +50,7 @@ def config_batch(config: str, model: str, recipe_arguments: list[str]):
 
 
 def synthetic_batch(model: str, prompt_tokens: int, shared_tokens: int, answer_tokens: int, tasks: int, copies: int,
-                    group_size: int, micro_batches: int):
+                    group_size: int, micro_batches: int, max_step_samples: int | None):
     """ALFWorld-shaped step samples: one step of `tasks` x `copies`, each task's copies in step groups of `group_size`
     identical prompts; every prompt starts with the same `shared_tokens` instructions."""
     from gigpo_trl import GiGPOConfig, GiGPOTrainer, task_dataset
@@ -61,7 +61,8 @@ def synthetic_batch(model: str, prompt_tokens: int, shared_tokens: int, answer_t
     args = GiGPOConfig(output_dir=str(ROOT / "outputs" / "packed_update"), env_name="rooms", env_processes=False,
                        num_generations=copies, per_device_train_batch_size=rows // micro_batches,
                        steps_per_generation=micro_batches, gradient_accumulation_steps=micro_batches, use_cpu=True,
-                       bf16=False, activation_checkpointing=False, report_to=[], save_strategy="no",
+                       bf16=False, activation_checkpointing=False, max_step_samples_per_micro_batch=max_step_samples,
+                       report_to=[], save_strategy="no",
                        max_completion_length=answer_tokens)
     trainer = GiGPOTrainer(model, args=args, train_dataset=task_dataset(range(tasks)))
     rng, vocab = random.Random(0), trainer.model.config.vocab_size
@@ -149,6 +150,9 @@ def main() -> None:
     parser.add_argument("--copies", type=int, default=8)
     parser.add_argument("--group-size", type=int, default=4, help="--synthetic: identical prompts per step group")
     parser.add_argument("--micro-batches", type=int, default=8, help="--synthetic: micro-batches of the update")
+    parser.add_argument("--max-step-samples", type=int, default=None,
+                        help="--synthetic: max_step_samples_per_micro_batch, the rows of a pass (in fp32 a plain pass "
+                        "of 1,500-token rows holds about 3.6 GB of activations per row)")
     parser.add_argument("--time-micro-batches", type=int, default=None, help="time only the first N micro-batches")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--output", type=Path, default=ROOT / "outputs" / "packed_update")
@@ -159,7 +163,7 @@ def main() -> None:
         trainer, batch = config_batch(args.config, args.model, args.recipe_arguments)
     else:
         trainer, batch = synthetic_batch(args.model, *args.synthetic, args.tasks, args.copies, args.group_size,
-                                         args.micro_batches)
+                                         args.micro_batches, args.max_step_samples)
     samples = int(batch["tool_mask"].any(dim=1).sum())
     paths = {"plain": False, "packed": True}
     micro = {name: micro_batches_of(trainer, batch, packed) for name, packed in paths.items()}
