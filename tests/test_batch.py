@@ -29,9 +29,13 @@ def update_gradient(trainer: GiGPOTrainer, completions, weights, advantages, shu
     return torch.cat([p.grad.flatten() for p in trainer.model.parameters() if p.grad is not None])
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["plain", "packed"])
 @pytest.mark.parametrize("loss_type", SUPPORTED_LOSS_TYPES)
-def test_padding_rows_leave_the_update_gradient_unchanged_for_every_allowed_loss(tmp_path, tiny_model_path, loss_type):
-    trainer = GiGPOTrainer(tiny_model_path, args=settings_config(tmp_path, loss_type=loss_type),
+def test_padding_rows_leave_the_update_gradient_unchanged_for_every_allowed_loss(tmp_path, tiny_model_path, loss_type,
+                                                                                 packed):
+    # Packed, the padding rows share the trie of the real rows they copy, and a pass's packed rows differ in shape
+    # from the reference's: equal within the packed path's fp32 rounding (tests/test_packing.py's tolerance).
+    trainer = GiGPOTrainer(tiny_model_path, args=settings_config(tmp_path, loss_type=loss_type, packed_update=packed),
                            train_dataset=task_dataset(range(4)))
     trainer.current_gradient_accumulation_steps = trainer.args.gradient_accumulation_steps
     completions, advantages = step_samples(trainer.model.config.vocab_size, 2, seed=1)
@@ -44,7 +48,10 @@ def test_padding_rows_leave_the_update_gradient_unchanged_for_every_allowed_loss
     for shuffle_seed in range(6):
         padded = update_gradient(trainer, completions + padding, [1.0, 1.0] + [0.0] * 6, advantages + [9.0] * 6,
                                  shuffle_seed)
-        torch.testing.assert_close(padded, reference, rtol=1e-5, atol=1e-8)
+        if packed:
+            torch.testing.assert_close(padded, reference, rtol=0, atol=1e-4 * reference.abs().max().item())
+        else:
+            torch.testing.assert_close(padded, reference, rtol=1e-5, atol=1e-8)
 
 
 @pytest.mark.parametrize("level", ["token", "sequence"])

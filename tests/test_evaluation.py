@@ -93,16 +93,19 @@ def test_a_held_out_task_that_never_starts_is_reported_by_id_and_left_out_of_the
     assert "Held-out tasks that could not be played" in page and "<b>seed 102</b> (environment raised OSError" in page
 
 
-def forward_batch_sizes(model) -> list[int]:
-    """Records the batch size of every scoring forward pass of the (real) model: the loss's and the log-probs'
-    (TRL scores with `fused_lm_head=True`), not generation's."""
+def forward_batch_sizes(trainer) -> list[int]:
+    """Records the rows of every scoring pass of the trainer (the loss's and the log-probs', TRL's
+    `_get_per_token_logps_and_entropies` in passes of its `batch_size`), not generation's. (The model's own forward
+    calls would count packed rows: `packed_update` folds a pass's rows into fewer.)"""
     sizes: list[int] = []
+    score = trainer._get_per_token_logps_and_entropies
 
-    def record(module, args, kwargs):
-        if kwargs.get("fused_lm_head"):
-            sizes.append(kwargs["input_ids"].size(0))
+    def record(model, input_ids, *args, batch_size=None, **kwargs):
+        rows = input_ids.size(0)
+        sizes.extend(min(batch_size or rows, rows - start) for start in range(0, rows, batch_size or rows))
+        return score(model, input_ids, *args, batch_size=batch_size, **kwargs)
 
-    model.register_forward_pre_hook(record, with_kwargs=True)
+    trainer._get_per_token_logps_and_entropies = record
     return sizes
 
 
@@ -114,7 +117,7 @@ def test_the_evaluation_loss_runs_in_passes_of_at_most_the_bound_and_equals_one_
     trainer.model.eval()
     inputs = trainer._prepare_inputs([{"seed": seed, "options": ""} for seed in (100, 100, 101, 101)])
     assert inputs["prompt_ids"].size(0) == 12  # 4 episodes x 3 steps: every sample kept, none drawn out
-    sizes = forward_batch_sizes(trainer.model)
+    sizes = forward_batch_sizes(trainer)
 
     with torch.no_grad():
         in_parts = trainer._loss_in_passes(trainer.model, inputs, 3, backward=False)
