@@ -111,16 +111,20 @@ def positions_forwarded(trainer, micro_batches: list[dict], packed: bool) -> int
 
 def timed_update(trainer, micro_batches: list[dict], packed: bool) -> dict:
     """The CPU seconds of the micro-batches' loss and backward passes, and the largest activation memory a pass
-    holds for its backward pass (the distinct storages autograd saves, the weights aside; an order-free measure, where the process's
-    resident peak would count the allocator's pages already held from the other path)."""
+    holds for its backward pass (the distinct storages autograd saves, the weights aside: an order-free measure, where
+    the process's resident peak would count the allocator's pages the other path left). A micro-batch runs in passes
+    of the memory bound (`row_chunks`), each a `compute_loss` and its backward pass, as `compute_loss` runs them."""
     import torch
 
+    from gigpo_trl.loss import row_chunks
+
+    bound, trainer.args.max_step_samples_per_micro_batch = trainer.args.max_step_samples_per_micro_batch, None
     trainer._packed_update = packed
     trainer.current_gradient_accumulation_steps = trainer.args.gradient_accumulation_steps
     trainer.model.zero_grad()
     cpu, peak = 0.0, 0
     weights = {parameter.untyped_storage().data_ptr() for parameter in trainer.model.parameters()}
-    for micro_batch in micro_batches:
+    for chunk in [chunk for micro_batch in micro_batches for chunk in row_chunks(micro_batch, bound)]:
         saved: dict[int, int] = {}
 
         def keep(tensor):
@@ -132,10 +136,11 @@ def timed_update(trainer, micro_batches: list[dict], packed: bool) -> dict:
         started = time.process_time()
         with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor), \
                 trainer.compute_loss_context_manager():
-            loss = trainer.compute_loss(trainer.model, micro_batch)
+            loss = trainer.compute_loss(trainer.model, chunk)
         trainer.accelerator.backward(loss)
         cpu += time.process_time() - started
         peak = max(peak, sum(saved.values()))
+    trainer.args.max_step_samples_per_micro_batch = bound
     return {"cpu_s": cpu, "saved_activations_mib": peak / 2**20}
 
 
