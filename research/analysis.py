@@ -58,6 +58,50 @@ def draught_advantages(steps: list[tuple[int, bool, dict]]) -> dict[str, float] 
     return means | {"gap_in_std": (means["follows"] - means["against"]) / spread, "steps": sum(map(len, by_kind.values()))}
 
 
+COMPASS_DIRECTIONS = ("north", "south", "east", "west")
+
+
+def shortest_moves(trajectories: dict[str, list[dict]]) -> list[tuple[tuple, bool, dict]]:
+    """Compass diagnostic (setting H): every recorded training step as (its state: the rollout, the task's seed and the
+    observation; whether its action is a shortest-path move, one of the directions the observation names; the step
+    record). Every other answer (a move away, a bump, an idle action, an answer naming no move) wastes the turn. Empty
+    outside compass."""
+    return [((int(name.split("-")[1]), episode["seed"], step["observation"]),
+             step["action"] in {f"go {d}" for d in COMPASS_DIRECTIONS if d in step["observation"].rstrip(".").split()},
+             step)
+            for name, episodes in trajectories.items() if name.startswith("train-")
+            for episode in episodes for step in episode["steps"]
+            if step["observation"].startswith(("The exit is ", "Go "))]
+
+
+def shortest_move_advantages(steps: list[tuple[tuple, bool, dict]]) -> dict[str, float] | None:
+    """Setting H's mechanism reading: in each state where the copies of a task took both a shortest-path move and a
+    wasted turn (`shortest_moves`), the mean advantage of each kind; the difference (shortest minus wasted) averaged
+    over those states, for the advantage the loss used and for its episode and step terms apart, and in units of the
+    standard deviation of every recorded step's advantage. None where no state holds both kinds."""
+    by_state: dict[tuple, dict[bool, list[dict]]] = {}
+    for state, shortest, step in steps:
+        by_state.setdefault(state, {True: [], False: []})[shortest].append(step)
+    compared = [kinds for kinds in by_state.values() if kinds[True] and kinds[False]]
+    if not compared:
+        return None
+    gaps = {field: float(np.mean([np.mean([s[field] for s in kinds[True]]) - np.mean([s[field] for s in kinds[False]])
+                                  for kinds in compared]))
+            for field in ("advantage", "episode_advantage", "step_advantage")}
+    spread = float(np.std([step["advantage"] for _, _, step in steps]))
+    return {"gap": gaps["advantage"], "gap_in_std": gaps["advantage"] / spread if spread else float("nan"),
+            "episode_term_gap": gaps["episode_advantage"], "step_term_gap": gaps["step_advantage"],
+            "states": len(compared), "steps": sum(len(kinds[True]) + len(kinds[False]) for kinds in compared),
+            "shortest_share": float(np.mean([shortest for _, shortest, _ in steps]))}
+
+
+def won_decisions(trajectories: dict[str, list[dict]]) -> dict[str, float]:
+    """Per recorded evaluation (`eval-00000`, ...), the mean decisions of its won episodes (NaN if none won)."""
+    return {name: float(np.mean(lengths)) if lengths else float("nan")
+            for name, episodes in trajectories.items() if name.startswith("eval-")
+            for lengths in [[episode["length"] for episode in episodes if episode["won"]]]}
+
+
 def two_step_loop_share(episodes: list[dict]) -> float:
     """The share of the logged steps, from each episode's third step on, taken where the observation is the one of
     two steps before and the observation in between differs (A, B, A: a move undone, the loop of a policy without
@@ -473,6 +517,32 @@ def learning_reading(rows: list[dict], arms: Sequence[str]) -> dict:
             verdict = f"does not learn: the rule fails on seed(s) {', '.join(short)} of {len(seeds)}"
         result[method] = {"seeds": seeds, "verdict": verdict}
     return result
+
+
+def step_credit_reading(rows: list[dict], panel_tasks: int, first: str = PAPER, second: str = BASELINE) -> dict:
+    """Setting H's pre-registered rule (research/settings/h_step_credit/README.md): `first` beats `second` when its
+    final held-out success (each run's last evaluation) is above on every seed, or when the mean difference over seeds
+    exceeds twice its standard error (sample standard deviation over the square root of the seeds) with no seed
+    reversed by more than one task of the `panel_tasks`-task panel. Both directions are read; per seed the figures."""
+    final: dict[str, dict[int, float]] = {first: {}, second: {}}
+    for row in sorted((r for r in rows if r["mode"] == "eval" and r["method"] in final and r["step"] > 0),
+                      key=lambda r: r["step"]):
+        final[row["method"]][row["seed"]] = row["success_rate"]
+    seeds = sorted(set(final[first]) & set(final[second]))
+    if len(seeds) < 2:
+        return {"seeds": seeds, "verdict": "not readable: fewer than 2 seeds with both arms' final evaluation"}
+    differences = np.array([final[first][seed] - final[second][seed] for seed in seeds])
+    mean, standard_error = float(differences.mean()), float(differences.std(ddof=1) / np.sqrt(len(seeds)))
+    verdict = "neither beats the other"
+    for better, worse, sign in ((first, second, 1.0), (second, first, -1.0)):
+        gains = sign * differences
+        if (gains > 0).all():
+            verdict = f"{better} beats {worse}: above on every seed ({len(seeds)})"
+        elif sign * mean > 2 * standard_error and gains.min() >= -1.0 / panel_tasks - 1e-9:
+            verdict = (f"{better} beats {worse}: mean difference {sign * mean:+.3f} above twice its standard error "
+                       f"({standard_error:.3f}), no seed reversed by more than one panel task")
+    return {"seeds": seeds, "final": {method: [final[method][seed] for seed in seeds] for method in final},
+            "difference_mean": mean, "difference_standard_error": standard_error, "verdict": verdict}
 
 
 def cut_at_common_evaluation(rows: list[dict]) -> tuple[list[dict], int]:

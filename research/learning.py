@@ -83,8 +83,12 @@ from research.analysis import (  # noqa: E402
     earlier_rows,
     held_out_panels,
     plot,
+    shortest_move_advantages,
+    shortest_moves,
+    step_credit_reading,
     summary,
     with_base_evaluation,
+    won_decisions,
 )
 from research.probes import reading_probe, screen, warm_up_format  # noqa: E402
 from research.runs import (  # noqa: E402
@@ -169,7 +173,8 @@ def main() -> None:
             # each result printed and saved as it comes: a screen takes minutes per candidate
             results.append({"candidate": name or config.stem, "recipe_arguments": [*arguments, *overrides]} | screen(
                 config, args.model or EMBEDDED, *args.screen_tasks, [*arguments, *overrides],
-                args.screen_temperatures, args.screen_update))
+                args.screen_temperatures, args.screen_update,
+                args.output / "records" / f"{config.stem}-{len(results)}"))
             (args.output / "screen.json").write_text(json.dumps(results, indent=2))
             print(json.dumps(results[-1], indent=2), flush=True)
         return
@@ -249,6 +254,12 @@ def main() -> None:
     advantages = {f"{method} seed {seed}": draught_advantages(hint_steps[method, seed]) for method, seed in runs}
     if all(advantages.values()):
         result["advantage_by_draught"] = advantages
+    if settings["env_name"] == "compass":  # setting H's readings (research/settings/h_step_credit/README.md)
+        result["step_credit_reading"] = step_credit_reading(rows, settings["num_eval_tasks"])
+        result["advantage_by_shortest_move"] = {f"{method} seed {seed}": shortest_move_advantages(
+            shortest_moves(trajectories[method, seed])) for method, seed in runs}
+        result["won_decisions"] = {f"{method} seed {seed}": won_decisions(trajectories[method, seed])
+                                   for method, seed in runs} | {"base": won_decisions(read_trajectories(base))}
     (args.output / "summary.json").write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))
 

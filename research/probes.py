@@ -173,12 +173,14 @@ def reading_probe(model_dir: str, settings: dict, learning_rate: float, steps: i
 
 
 def screen(config: Path, model: str, eval_tasks: int, sampled_tasks: int, copies: int,
-           recipe_arguments: Sequence[str] = (), temperatures: Sequence[float] = (), update: bool = False) -> dict:
+           recipe_arguments: Sequence[str] = (), temperatures: Sequence[float] = (), update: bool = False,
+           records_dir: Path | None = None) -> dict:
     """What choosing a setting needs, from the base model (no training): its greedy held-out success and episode
     length on the first `eval_tasks` tasks of the config's eval fold, the optimal path length of those tasks
     (`shortest_path_length`), and one sampled rollout of `sampled_tasks` x `copies` at each of `temperatures` (the
-    config's temperature if none): success, decisions (steps) per episode, prompt tokens per step and step groups.
-    With `update`, the CPU seconds of one training iteration at the config's own batch (`iteration_cpu_seconds`).
+    config's temperature if none): success, decisions (steps) per episode, prompt tokens per step, step groups and the
+    share of task groups whose copies' returns differ. The trainer's records go to `records_dir` (default
+    outputs/screen/CONFIG: give each candidate its own when several run at once). With `update`, the CPU seconds of one training iteration at the config's own batch (`iteration_cpu_seconds`).
     `recipe_arguments` change the config (e.g. --history_length 2)."""
     import gc
 
@@ -187,7 +189,7 @@ def screen(config: Path, model: str, eval_tasks: int, sampled_tasks: int, copies
     from gigpo_trl import GiGPOConfig, GiGPOTrainer, TaskArguments, make_env
     from gigpo_trl.shortest_paths import shortest_path_length
 
-    overrides = ["--output_dir", str(ROOT / "outputs" / "screen" / config.stem), "--num_eval_tasks", str(eval_tasks),
+    overrides = ["--output_dir", str(records_dir or ROOT / "outputs" / "screen" / config.stem), "--num_eval_tasks", str(eval_tasks),
                  "--num_train_tasks", str(sampled_tasks),
                  "--per_device_eval_batch_size", str(eval_tasks), "--num_generations", str(copies),
                  "--per_device_train_batch_size", str(sampled_tasks * copies), "--steps_per_generation", "1",
@@ -218,6 +220,7 @@ def screen(config: Path, model: str, eval_tasks: int, sampled_tasks: int, copies
             "prompt_tokens_mean": float(np.mean(prompt_tokens)), "prompt_tokens_max": max(prompt_tokens),
             "step_group_size_mean": metrics["gigpo/step_group_size_mean"],
             "singleton_share": metrics["gigpo/singleton_share"], "rollout_s": metrics["timing/rollout_s"],
+            "groups_with_return_spread": 1.0 - metrics["frac_reward_zero_std"],
             **wasted,
         }
     distance_env.close()

@@ -88,12 +88,31 @@ def test_the_observation_words_each_direction():
     assert any(o.startswith("The exit is 3 rooms ") and " and " not in o for o in seen)
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_orders_name_the_moves_left_and_keep_the_offset_as_the_anchor(seed):
+    orders, offset = make_env("compass", size=7, distance=6, phrasing="orders"), make_env("compass", size=7, distance=6)
+    observations = [orders.reset(seed=seed)]
+    offset.reset(seed=seed)
+    observations += [orders.step(move)[::4] for move in ["go north", "go south"]]
+    observations += [orders.step(move)[::4] for move in orders.walkthrough]
+    for observation, info in observations[:-1]:
+        north, east = info["anchor"]
+        legs = [f"{name} {count}" for rooms, name in ((north, "north" if north > 0 else "south"),
+                                                      (east, "east" if east > 0 else "west")) if rooms
+                for count in [{1: "once", 2: "twice"}.get(abs(rooms), f"{abs(rooms)} times")]]
+        assert observation == f"Go {' and '.join(legs)}."
+    assert observations[0][1]["anchor"] == offset.reset(seed=seed)[1]["anchor"]
+    assert observations[-1][0] == "You found the exit!" and observations[-1][1]["won"]
+
+
 def test_compass_follows_the_contract_and_refuses_bad_arguments():
     check_env(make_env("compass", idle_actions=2))
+    check_env(make_env("compass", phrasing="orders"))
     for kwargs, message in [({"size": 1}, "size must be an int >= 2"),
                             ({"size": 3, "distance": 5}, "distance must be an int from 1 to 4"),
                             ({"distance": True}, "distance must be an int"),
-                            ({"idle_actions": 5}, "idle_actions must be an int from 0 to 4")]:
+                            ({"idle_actions": 5}, "idle_actions must be an int from 0 to 4"),
+                            ({"phrasing": "Orders"}, "phrasing must be one of \\('offset', 'orders'\\)")]:
         with pytest.raises(ValueError, match=message):
             make_env("compass", **kwargs)
     with pytest.raises(ValueError, match="takes no options"):

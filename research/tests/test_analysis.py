@@ -353,3 +353,61 @@ def test_the_shared_evaluation_before_training_is_every_run_s_step_0(tmp_path):
     # The base panel counts as each run's step 0: GRPO seed 1's last evaluation lacks a task, its first does not.
     assert summary["held_out_panels"]["differences"] == ("the held-out panels differ: GRPO (omega=0) seed 1 at step 2 "
                                                          "played 2 of the 3 tasks (not: seed 1000001)")
+
+
+def test_step_credit_reading_is_setting_h_s_pre_registered_rule():
+    from research.analysis import step_credit_reading
+
+    def rows(finals_first, finals_second):
+        return [{"method": method, "seed": seed, "mode": "eval", "step": step, "success_rate": value}
+                for method, finals in (("GiGPO", finals_first), ("GRPO (omega=0)", finals_second))
+                for seed, final in enumerate(finals) for step, value in ((0, 0.2), (5, 0.3), (10, final))]
+
+    every_seed = step_credit_reading(rows([0.5, 0.6, 0.45, 0.7, 0.5], [0.4, 0.5, 0.425, 0.6, 0.45]), 40)
+    assert every_seed["verdict"] == "GiGPO beats GRPO (omega=0): above on every seed (5)"
+    assert every_seed["final"]["GRPO (omega=0)"] == [0.4, 0.5, 0.425, 0.6, 0.45]
+    # one seed reversed by one panel task (0.025 of 40), the mean far above twice its standard error
+    by_mean = step_credit_reading(rows([0.7, 0.8, 0.475, 0.9, 0.8], [0.4, 0.5, 0.5, 0.6, 0.5]), 40)
+    assert by_mean["verdict"].startswith("GiGPO beats GRPO (omega=0): mean difference +0.235 above twice")
+    assert by_mean["difference_standard_error"] == pytest.approx(np.std([0.3, 0.3, -0.025, 0.3, 0.3], ddof=1) / 5 ** 0.5)
+    reversed_by_two = step_credit_reading(rows([0.7, 0.8, 0.45, 0.9, 0.8], [0.4, 0.5, 0.5, 0.6, 0.5]), 40)
+    assert reversed_by_two["verdict"] == "neither beats the other"
+    other_way = step_credit_reading(rows([0.4, 0.5, 0.425], [0.5, 0.6, 0.45]), 40)
+    assert other_way["verdict"] == "GRPO (omega=0) beats GiGPO: above on every seed (3)"
+    noisy = step_credit_reading(rows([0.6, 0.3, 0.5], [0.4, 0.5, 0.45]), 40)  # +0.2, -0.2, +0.05: not beyond 2 SE
+    assert noisy["verdict"] == "neither beats the other"
+    assert step_credit_reading(rows([0.6], [0.4]), 40)["verdict"].startswith("not readable")
+
+
+def test_the_shortest_move_advantages_compare_the_steps_taken_from_one_state():
+    from research.analysis import shortest_move_advantages, shortest_moves, won_decisions
+
+    def step(observation, action, advantage, episode_term):
+        return {"observation": observation, "action": action, "advantage": advantage,
+                "episode_advantage": episode_term, "step_advantage": advantage - episode_term}
+
+    start, later = "Go north twice and east once.", "The exit is 1 room east."
+    trajectories = {
+        "train-00000": [
+            {"seed": 7, "length": 3, "won": True, "steps": [step(start, "go north", 1.0, 0.5), step(start, "go east", 0.8, 0.5),
+                                                            step(later, "go east", 1.0, 0.5)]},
+            {"seed": 7, "length": 2, "won": False, "steps": [step(start, "go south", -1.0, -0.5),
+                                                             step(later, "<action>go", -0.6, -0.5)]},
+            {"seed": 8, "length": 1, "won": False, "steps": [step(start, "wait", -2.0, -1.0)]},  # another task: no pair
+        ],
+        "eval-00000": [{"seed": 1, "length": 4, "won": True, "steps": []}, {"seed": 2, "length": 6, "won": True, "steps": []},
+                       {"seed": 3, "length": 8, "won": False, "steps": []}],
+        "eval-00001": [{"seed": 1, "length": 8, "won": False, "steps": []}],
+    }
+
+    steps = shortest_moves(trajectories)
+    assert [shortest for _, shortest, _ in steps] == [True, True, True, False, False, False]
+    reading = shortest_move_advantages(steps)
+    # state (0, 7, start): 0.9 - (-1.0) = 1.9; state (0, 7, later): 1.0 - (-0.6) = 1.6
+    assert reading["gap"] == pytest.approx(1.75) and reading["states"] == 2 and reading["steps"] == 5
+    assert reading["episode_term_gap"] == pytest.approx(1.0) and reading["step_term_gap"] == pytest.approx(0.75)
+    advantages = [1.0, 0.8, 1.0, -1.0, -0.6, -2.0]
+    assert reading["gap_in_std"] == pytest.approx(1.75 / np.std(advantages)) and reading["shortest_share"] == 0.5
+    assert shortest_move_advantages(steps[:3]) is None
+    decisions = won_decisions(trajectories)
+    assert decisions["eval-00000"] == 5.0 and np.isnan(decisions["eval-00001"])

@@ -89,7 +89,7 @@ def test_the_screen_plays_each_candidate_at_each_temperature_and_times_a_trainin
     assert result.returncode == 0, result.stderr[-4000:]
     screened = json.loads((output / "screen.json").read_text())
     assert [candidate["candidate"] for candidate in screened] == ["two steps", "four steps"]
-    for candidate, limit in zip(screened, (2, 4)):
+    for k, (candidate, limit) in enumerate(zip(screened, (2, 4))):
         assert candidate["held_out_tasks"] == 4 and 0 <= candidate["held_out_success"] <= 1
         assert 0 < candidate["held_out_decisions_per_episode"] <= limit  # the candidate's own step limit applied
         assert set(candidate["sampled"]) == {"0.6", "1"}
@@ -99,6 +99,12 @@ def test_the_screen_plays_each_candidate_at_each_temperature_and_times_a_trainin
             # wasted: steps that bring no win nearer (the tiny model's answers mostly name no move: most of them)
             assert 0 <= sampled["wasted_steps_per_episode"] <= sampled["decisions_per_episode"]
             assert sampled["wasted_steps_per_episode"] > 0 or sampled["success"] == 1
+        # each candidate's records in a folder of its own: their sampled rollouts hold the return spread reported
+        records = [json.loads(line) for line in
+                   (output / "records" / f"rooms9-{k}" / "gigpo" / "iterations.jsonl").read_text().splitlines()]
+        assert [record["mode"] for record in records] == ["eval", "train", "train"]
+        assert [sampled["groups_with_return_spread"] for sampled in candidate["sampled"].values()] == \
+            [1.0 - record["metrics"]["frac_reward_zero_std"] for record in records[1:]]
         iteration = candidate["iteration"]
         assert iteration["rollout_cpu_s"] > 0 and iteration["update_cpu_s"] > 0
         assert 2 * 2 <= iteration["step_samples"] <= 2 * 2 * limit  # 2 tasks x 2 copies, 1 to `limit` steps each
