@@ -10,10 +10,11 @@
 # converted (by the runs' shared evaluation, which comes first), to end by CHECKS_END (seconds since the epoch).
 # collect reads the runs 8 minutes after their start (the design's budget rule), stops everything at END (seconds
 # since the epoch), reads them again, and packs the records (no weights) into DEST in parts of at most 15 MiB.
+# CONFIG and OUTPUT run another setting's GPU version the same way (setting H's: research/settings/h_step_credit).
 set -euo pipefail
 step=$1 stack=$2 work=$3
 export HF_HUB_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 TOKENIZERS_PARALLELISM=false
-output=outputs/learning_simonsays_gpu config=research/configs/learning_simonsays_gpu.yaml
+output=${OUTPUT:-outputs/learning_simonsays_gpu} config=${CONFIG:-research/configs/learning_simonsays_gpu.yaml}
 analyze() {  # the design's collection: the last held-out evaluation every run reached
   python3 research/learning.py --analyze-only --cut-at-common-evaluation --seeds 0 1 2 3 --config "$config" \
     --output "$output" > "$output/analysis_$1.txt" 2>&1 || echo "analysis at $1 failed: see $output/analysis_$1.txt"
