@@ -15,7 +15,7 @@ import numpy as np
 
 from gigpo_trl.records import read_evaluations, read_iterations
 from research.probes import draught_move
-from research.runs import BASELINE, PAPER, run_log
+from research.runs import BASELINE, PAPER, RESUME_MARK, run_log
 
 
 SUCCESS_TARGETS = (0.5, 0.8)  # training success (trailing mean of 5) whose first iteration is reported per seed
@@ -114,9 +114,12 @@ def two_step_loop_share(episodes: list[dict]) -> float:
 
 def logged_entropy(log_path: Path) -> list[float]:
     """The policy's mean token entropy of every training update, in order, from TRL's log lines in a run's log
-    (`{'loss': ..., 'entropy': ...}`, one per update with logging_steps 1)."""
+    (`{'loss': ..., 'entropy': ...}`, one per update with logging_steps 1). Where a resumed part begins (a line
+    RESUME_MARK + "checkpoint-N"), the updates after the N the checkpoint holds are dropped: the part plays them again."""
     entropies = []
     for line in log_path.read_text().splitlines():
+        if line.startswith(RESUME_MARK):
+            del entropies[int(line.removeprefix(RESUME_MARK).split("-")[-1]):]
         for match in re.finditer(r"\{'loss': [^}]*\}", line):
             entropies.append(float(ast.literal_eval(match.group(0))["entropy"]))
     return entropies

@@ -11,6 +11,7 @@
     python research/learning.py --step-lambda 0.5 ...                           # a third arm: GiGPO at lambda 0.5
     python research/learning.py --shared-base-evaluation --jobs 2 ...          # the panel before training played once
     OMP_NUM_THREADS=1 python research/learning.py --arms ARMS.yaml --jobs 2 ... # named arms, two runs at a time
+    python research/learning.py --resume ... (the same command)                # go on with runs stopped part-way
 
 Each (method, seed) run is `recipes/train_gigpo.py --config CONFIG --step_advantage_weight {1, 0} --seed S`, so
 both methods share every other setting; `--step-lambda L` adds a third method, GiGPO with the bootstrapped step value
@@ -143,6 +144,9 @@ def main() -> None:
     at_once.add_argument("--jobs", type=int, default=1, metavar="N", help="at most N runs at once, in order (default 1; "
                          "on a few CPU cores with OMP_NUM_THREADS=1, one run a core)")
     parser.add_argument("--detach", action="store_true", help="run in a new process session, output to OUTPUT/learning.log")
+    parser.add_argument("--resume", action="store_true", help="go on with the runs already in --output: each from its "
+                        "last checkpoint (its records continue from there), a finished one not started again, one "
+                        "without a checkpoint afresh")
     parser.add_argument("--shared-base-evaluation", action="store_true",
                         help="evaluate the model once before any run (OUTPUT/base) instead of once per run: runs from "
                         "the same weights get the same greedy figure on the same panel; the analysis takes it as every "
@@ -221,7 +225,8 @@ def main() -> None:
     if args.shared_base_evaluation and not args.analyze_only:
         evaluate_base(args.config, model, base, overrides)
         overrides = [*overrides, "--evaluate_before_training", "false"]
-    seconds, cpu_seconds = ({}, {}) if args.analyze_only else train_all(runs, arms, args.config, model, overrides, jobs)
+    seconds, cpu_seconds = ({}, {}) if args.analyze_only else train_all(
+        runs, arms, args.config, model, overrides, jobs, args.resume)
     trajectories = {run: read_trajectories(output_dir) for run, output_dir in runs.items()}  # each run's read once
     hint_steps = {run: draught_steps(episodes) for run, episodes in trajectories.items()}
     rows = curves(runs, hint_steps, trajectories, earlier_entropy(args.entropy_from) if args.entropy_from else {},

@@ -108,16 +108,42 @@ def lambda_of_runs(output: Path) -> float | None:
 
 
 def start_run(config: Path, model: str, method_arguments: list[str], seed: int, output_dir: Path,
-              overrides: list[str]) -> subprocess.Popen:
+              overrides: list[str], resume_from: Path | None = None) -> subprocess.Popen:
     """One training run through the recipe, started in a process of its own (its output in OUTPUT_DIR.log, after a
-    first line holding the command)."""
+    first line holding the command). Resumed from a checkpoint (`resume_from`), the run's log goes on after a line
+    RESUME_MARK + the checkpoint's name, so the earlier part's output stays (`logged_entropy` reads both)."""
     command = [sys.executable, str(ROOT / "recipes" / "train_gigpo.py"), "--config", str(config),
                "--model_name_or_path", model, *method_arguments, "--seed", str(seed),
-               "--output_dir", str(output_dir), *overrides]
-    with open(run_log(output_dir), "w") as log:
+               "--output_dir", str(output_dir), *overrides,
+               *(["--resume_from_checkpoint", str(resume_from)] if resume_from else [])]
+    with open(run_log(output_dir), "a" if resume_from else "w") as log:
+        if resume_from:
+            log.write(f"{RESUME_MARK}{resume_from.name}\n")
         log.write(shlex.join(command) + "\n")
         log.flush()
         return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=run_environment())
+
+
+RESUME_MARK = "# resumed from "  # a run log's line where a resumed part begins, then the checkpoint's name
+
+
+def resume_point(output_dir: Path) -> tuple[Path | None, bool]:
+    """Where `--resume` takes a run up: (its last complete checkpoint or None, whether that checkpoint ends the run: its
+    global step has reached its max steps, as the checkpoint's trainer_state.json says). A checkpoint is complete once
+    its trainer_state.json is written (transformers writes it last): a run killed while saving one leaves a folder
+    without it, which is renamed incomplete-checkpoint-N (kept, out of transformers' way) and the one before it, kept
+    until the new one is complete, taken instead. A run with no complete checkpoint starts afresh; a finished one is
+    not started again."""
+    import json
+
+    checkpoints = sorted(output_dir.glob("checkpoint-*"), key=lambda path: int(path.name.split("-")[1]))
+    while checkpoints and not (checkpoints[-1] / "trainer_state.json").is_file():
+        incomplete = checkpoints.pop()
+        incomplete.rename(incomplete.with_name(f"incomplete-{incomplete.name}"))
+    if not checkpoints:
+        return None, False
+    state = json.loads((checkpoints[-1] / "trainer_state.json").read_text())
+    return checkpoints[-1], state["global_step"] >= state["max_steps"]
 
 
 BASE_FOLDER = "base"  # OUTPUT/base: the shared evaluation before training (`evaluate_base`)
@@ -178,29 +204,37 @@ def run_environment() -> dict[str, str]:
 
 
 def train_all(runs: dict[tuple[str, int], Path], arms: dict[str, list[str]], config: Path, model: str,
-              overrides: list[str], jobs: int) -> tuple[dict[str, float], dict[str, float]]:
+              overrides: list[str], jobs: int, resume: bool = False) -> tuple[dict[str, float], dict[str, float]]:
     """Every (method, seed) run, in order, at most `jobs` at once (1: one after the other); returns their wall times and
     their processes' CPU times (user + system) in seconds: on a loaded machine the CPU time of a one-thread run is what
-    it would take on a quiet core. A failed run stops the comparison once the runs already started have ended."""
+    it would take on a quiet core. A failed run stops the comparison once the runs already started have ended. With
+    `resume`, each run goes on from its last checkpoint (`resume_point`), a finished one is skipped, and the times are
+    this part's."""
     pending, running, seconds, cpu_seconds = list(runs), {}, {}, {}
     while pending or running:
         while pending and len(running) < jobs:
             key = pending.pop(0)
-            running[key] = (time.perf_counter(), start_run(config, model, arms[key[0]], key[1], runs[key], overrides))
+            checkpoint, finished = resume_point(runs[key]) if resume else (None, False)
+            if finished:
+                print(f"{key[0]} seed {key[1]}: finished at {checkpoint.name}, not started again", flush=True)
+                continue
+            running[key] = (time.perf_counter(), checkpoint,
+                            start_run(config, model, arms[key[0]], key[1], runs[key], overrides, checkpoint))
         time.sleep(0.2)
-        for key, (started, process) in list(running.items()):
+        for key, (started, checkpoint, process) in list(running.items()):
             pid, status, usage = os.wait4(process.pid, os.WNOHANG)
             if not pid:
                 continue
             del running[key]
             process.returncode = os.waitstatus_to_exitcode(status)
             if process.returncode:
-                for _, other in running.values():
+                for _, _, other in running.values():
                     other.wait()
                 raise RuntimeError(f"{key[0]} seed {key[1]} failed: see {run_log(runs[key])}")
             name = f"{key[0]} seed {key[1]}"
             seconds[name], cpu_seconds[name] = time.perf_counter() - started, usage.ru_utime + usage.ru_stime
-            print(f"{name}: {seconds[name]:.0f} s, CPU {cpu_seconds[name]:.0f} s", flush=True)
+            part = f" (from {checkpoint.name})" if checkpoint else ""
+            print(f"{name}{part}: {seconds[name]:.0f} s, CPU {cpu_seconds[name]:.0f} s", flush=True)
     return seconds, cpu_seconds
 
 

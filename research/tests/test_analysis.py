@@ -411,3 +411,15 @@ def test_the_shortest_move_advantages_compare_the_steps_taken_from_one_state():
     assert shortest_move_advantages(steps[:3]) is None
     decisions = won_decisions(trajectories)
     assert decisions["eval-00000"] == 5.0 and np.isnan(decisions["eval-00001"])
+
+
+def test_the_entropy_of_a_resumed_run_drops_the_updates_its_checkpoint_did_not_hold(tmp_path):
+    from research.analysis import logged_entropy
+
+    log = tmp_path / "gigpo-seed0.log"
+    log.write_text("python recipes/train_gigpo.py ...\n"
+                   + "".join(f"{{'loss': 0.1, 'entropy': '{value}', 'epoch': 1.0}}\n" for value in (1.0, 2.0, 3.0))
+                   + "# resumed from checkpoint-2\npython recipes/train_gigpo.py ... --resume_from_checkpoint x\n"
+                   + "".join(f"{{'loss': 0.1, 'entropy': '{value}', 'epoch': 1.0}}\n" for value in (3.5, 4.0)))
+
+    assert logged_entropy(log) == [1.0, 2.0, 3.5, 4.0]  # update 3 of the first part was played again

@@ -139,3 +139,86 @@ def test_named_arms_run_two_at_a_time_and_are_read_again_from_their_output(tiny_
     subprocess.run([*command[:2], "--analyze-only", "--seeds", "0", "--config", command[9], "--output", str(output)],
                    check=True, capture_output=True, cwd=root)
     assert json.loads((output / "summary.json").read_text())["methods"] == summary["methods"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_resume_takes_the_last_complete_checkpoint_and_sets_a_cut_one_aside(tmp_path):
+    from research.runs import resume_point
+
+    assert resume_point(tmp_path / "never-started") == (None, False)
+    for step, complete in ((2, True), (10, False)):  # checkpoint-10 cut while being written
+        (tmp_path / f"checkpoint-{step}").mkdir()
+        if complete:
+            (tmp_path / f"checkpoint-{step}" / "trainer_state.json").write_text(json.dumps({"global_step": step, "max_steps": 8}))
+
+    assert resume_point(tmp_path) == (tmp_path / "checkpoint-2", False)
+    assert (tmp_path / "incomplete-checkpoint-10").is_dir() and not (tmp_path / "checkpoint-10").exists()
+    (tmp_path / "checkpoint-8").mkdir()
+    (tmp_path / "checkpoint-8" / "trainer_state.json").write_text(json.dumps({"global_step": 8, "max_steps": 8}))
+    assert resume_point(tmp_path) == (tmp_path / "checkpoint-8", True)  # by number, not by name: 8 after 2, 10 aside
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_runs_stopped_part_way_resume_from_their_checkpoints_and_their_records_go_on_exactly(tiny_model_path, tmp_path):
+    """Setting H's config (compass), both arms of seed 0 two at a time, stopped (the whole command killed) once both
+    runs have saved a checkpoint and before they end; then the same command with --resume: each run goes on from its
+    checkpoint, its records hold every update once, in order, its log keeps the first part and the entropy of every
+    update; a third time, both runs are finished and not started again. The summary holds setting H's readings."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    root = Path(__file__).resolve().parents[2]
+    command = [sys.executable, str(root / "research" / "learning.py"), "--jobs", "2", "--seeds", "0", "--config",
+               str(root / "research" / "configs" / "learning_compass_cpu.yaml"), "--model", tiny_model_path,
+               "--output", str(tmp_path), "--max_steps", "4", "--save_steps", "1", "--eval_steps", "4",
+               "--num_eval_tasks", "4", "--per_device_eval_batch_size", "4", "--per_device_train_batch_size", "8",
+               "--num_generations", "4", "--max_env_steps", "6"]
+    runs = [tmp_path / "gigpo-seed0", tmp_path / "grpo-seed0"]
+    first = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=root,
+                             start_new_session=True)
+    deadline = time.monotonic() + 600
+    while not all(list(run.glob("checkpoint-*/trainer_state.json")) for run in runs) and first.poll() is None \
+            and time.monotonic() < deadline:
+        time.sleep(0.1)
+    os.killpg(first.pid, signal.SIGKILL)
+    first.wait()
+    # the last complete checkpoint (a later one may have been cut while being written: resume_point sets it aside)
+    stopped_at = {run.name: max(int(state.parent.name.split("-")[1]) for state in run.glob("checkpoint-*/trainer_state.json"))
+                  for run in runs}
+    assert all(step < 4 for step in stopped_at.values()), f"the runs ended before the kill: {stopped_at}"
+
+    resumed = subprocess.run([*command, "--resume"], capture_output=True, text=True, timeout=600, cwd=root)
+
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    for run in runs:
+        log = (tmp_path / f"{run.name}.log").read_text()
+        assert f"# resumed from checkpoint-{stopped_at[run.name]}\n" in log and log.startswith(sys.executable)
+        assert f"(from checkpoint-{stopped_at[run.name]})" in resumed.stdout
+        records = [json.loads(line) for line in (run / "gigpo" / "iterations.jsonl").read_text().splitlines()]
+        assert [record["step"] for record in records if record["mode"] == "train"] == [0, 1, 2, 3]
+        assert not list((run / "gigpo").glob("set_aside-*"))
+    rows = [row for row in csv.DictReader((tmp_path / "learning_curves.csv").open()) if row["mode"] == "train"]
+    assert len(rows) == 8
+    for run, method in zip(runs, ("GiGPO", "GRPO (omega=0)")):  # each update's entropy: the first part's up to the
+        # checkpoint, then the resumed part's (the updates the first part made after its checkpoint are played again)
+        before, after = (tmp_path / f"{run.name}.log").read_text().split("# resumed from ")
+        logged = [*[float(v) for v in re.findall(r"'entropy': '?([0-9.e-]+)", before)][:stopped_at[run.name]],
+                  *[float(v) for v in re.findall(r"'entropy': '?([0-9.e-]+)", after)]]
+        assert [float(row["entropy"]) for row in sorted((r for r in rows if r["method"] == method),
+                                                        key=lambda r: int(r["step"]))] == pytest.approx(logged)
+        assert len(logged) == 4
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["step_credit_reading"]["verdict"].startswith("not readable")  # one seed
+    assert set(summary["advantage_by_shortest_move"]) == set(summary["won_decisions"]) - {"base"} == {
+        "GiGPO seed 0", "GRPO (omega=0) seed 0"}
+
+    again = subprocess.run([*command, "--resume"], capture_output=True, text=True, timeout=600, cwd=root)
+
+    assert again.returncode == 0, again.stderr[-4000:]
+    assert "GiGPO seed 0: finished at checkpoint-4, not started again" in again.stdout
+    assert "GRPO (omega=0) seed 0: finished at checkpoint-4, not started again" in again.stdout
