@@ -3,10 +3,11 @@
 A `size` x `size` grid. The seed places the start and the exit `distance` moves apart (Manhattan distance: the
 shortest path is `distance` moves). Every observation says where the exit lies from the current room ("The exit is
 2 rooms north and 1 room east."), or, with `phrasing="orders"`, names the moves that reach it ("Go north twice and
-east once."): all a policy needs, with no memory, so the anchor is that offset, what the prompt shows. Actions: "go north", "go south", "go east", "go west", and optionally `idle_actions` of IDLE_ACTIONS, which do
-nothing ("wait", "look around", ...). A move into the grid's outer wall leaves the agent where it was. The only reward
-is 1 on reaching the exit (the episode then terminates). No action ends the game: a wrong move costs two turns (there
-and back), a bump or an idle action one, and a step limit (`max_steps`, or the trainer's `max_env_steps`; 1.5 to 2
+east once."): all a policy needs, with no memory, so the anchor is that offset, what the prompt shows. Actions:
+"go north", "go south", "go east", "go west", and optionally `idle_actions` of IDLE_ACTIONS, which do nothing
+("wait", "look around", ...). A move into the grid's outer wall leaves the agent where it was. The only reward is 1 on
+reaching the exit (the episode then terminates). No action ends the game: a wrong move costs two turns (there and
+back), a bump or an idle action one, and a step limit (`max_steps`, or the trainer's `max_env_steps`; 1.5 to 2
 times `distance`) makes the wasted turns cost the game. This is where GiGPO's step credit should pay (as in ALFWorld's
 "Nothing happens" and wrong rooms): the copies of a task start alike and meet the same offsets again, and from one
 offset a move towards the exit reaches it sooner (a larger discounted return) than a wasted turn, in winning and

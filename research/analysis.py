@@ -115,7 +115,8 @@ def two_step_loop_share(episodes: list[dict]) -> float:
 def logged_entropy(log_path: Path) -> list[float]:
     """The policy's mean token entropy of every training update, in order, from TRL's log lines in a run's log
     (`{'loss': ..., 'entropy': ...}`, one per update with logging_steps 1). Where a resumed part begins (a line
-    RESUME_MARK + "checkpoint-N"), the updates after the N the checkpoint holds are dropped: the part plays them again."""
+    RESUME_MARK + "checkpoint-N"), the updates after the N the checkpoint holds are dropped: the part plays them
+    again."""
     entropies = []
     for line in log_path.read_text().splitlines():
         if line.startswith(RESUME_MARK):

@@ -180,7 +180,8 @@ def screen(config: Path, model: str, eval_tasks: int, sampled_tasks: int, copies
     (`shortest_path_length`), and one sampled rollout of `sampled_tasks` x `copies` at each of `temperatures` (the
     config's temperature if none): success, decisions (steps) per episode, prompt tokens per step, step groups and the
     share of task groups whose copies' returns differ. The trainer's records go to `records_dir` (default
-    outputs/screen/CONFIG: give each candidate its own when several run at once). With `update`, the CPU seconds of one training iteration at the config's own batch (`iteration_cpu_seconds`).
+    outputs/screen/CONFIG: give each candidate its own when several run at once). With `update`, the CPU seconds of
+    one training iteration at the config's own batch (`iteration_cpu_seconds`).
     `recipe_arguments` change the config (e.g. --history_length 2)."""
     import gc
 
@@ -189,8 +190,8 @@ def screen(config: Path, model: str, eval_tasks: int, sampled_tasks: int, copies
     from gigpo_trl import GiGPOConfig, GiGPOTrainer, TaskArguments, make_env
     from gigpo_trl.shortest_paths import shortest_path_length
 
-    overrides = ["--output_dir", str(records_dir or ROOT / "outputs" / "screen" / config.stem), "--num_eval_tasks", str(eval_tasks),
-                 "--num_train_tasks", str(sampled_tasks),
+    overrides = ["--output_dir", str(records_dir or ROOT / "outputs" / "screen" / config.stem),
+                 "--num_eval_tasks", str(eval_tasks), "--num_train_tasks", str(sampled_tasks),
                  "--per_device_eval_batch_size", str(eval_tasks), "--num_generations", str(copies),
                  "--per_device_train_batch_size", str(sampled_tasks * copies), "--steps_per_generation", "1",
                  "--gradient_accumulation_steps", "1", "--report_to", "none", "--log_trajectories", "0"]
