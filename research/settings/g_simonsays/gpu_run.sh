@@ -8,8 +8,9 @@
 # start copies this checkout to WORK (the runs outlive the call that starts them; a carried checkout may change under
 # them), starts the design's command detached, and the GPU checks, detached too, once the embedded model is
 # converted (by the runs' shared evaluation, which comes first), to end by CHECKS_END (seconds since the epoch).
-# collect reads the runs 8 minutes after their start (the design's budget rule), stops everything at END (seconds
-# since the epoch), reads them again, and packs the records (no weights) into DEST in parts of at most 15 MiB.
+# collect reads the runs 8 minutes after their start (the design's budget rule), stops the runs and checks started
+# from WORK at END (seconds since the epoch; other processes on the machine go on), reads them again, and packs the
+# records (no weights) into DEST in parts of at most 15 MiB.
 # CONFIG and OUTPUT run another setting's GPU version the same way (setting H's: research/settings/h_step_credit).
 set -euo pipefail
 step=$1 stack=$2 work=$3
@@ -22,6 +23,12 @@ analyze() {  # the design's collection: the last held-out evaluation every run r
     [ -f "$output/$file" ] && cp "$output/$file" "$output/${file%.*}_$1.${file##*.}"
   done
   return 0
+}
+stop_own_processes() {  # the runner, its runs and the checks started from this checkout (WORK), not another's
+  local pid
+  for pid in $(pgrep -f "research/learning.py|recipes/train_gigpo.py|bench/gpu_check.py"); do
+    [ "$(readlink "/proc/$pid/cwd")" = "$PWD" ] && kill "$pid" 2>/dev/null || true
+  done
 }
 case $step in
 start)
@@ -54,9 +61,7 @@ collect)
   sleep $(( started + 480 - $(date +%s) > 0 ? started + 480 - $(date +%s) : 0 ))
   analyze 8min
   sleep $(( end - $(date +%s) > 0 ? end - $(date +%s) : 0 ))
-  pkill -f "research/learning.py --parallel" || true
-  pkill -f recipes/train_gigpo.py || true
-  pkill -f bench/gpu_check.py || true
+  stop_own_processes
   sleep 3
   analyze end
   nvidia-smi > outputs/nvidia-smi.txt 2>&1 || true
