@@ -10,9 +10,10 @@ cannot start comes back truncated with the reason. With `processes=False` enviro
 process instead: exceptions are still caught, but a crash or a hang is not survivable (use it for
 pure-Python environments).
 
-Workers are forked by a `ForkServer` (the trainer's, created before it starts any thread, or the pool's own), not by
-this process, whose threads may hold locks that a child forked from it would wait on forever. Every worker reports
-that it started; one that does not within `start_timeout` is killed, counted (`num_start_failures`) and forked again.
+Workers are forked by a `ForkServer` (the trainer's, or the pool's own), not by this process, whose threads may hold
+locks that a child forked from it would wait on forever; the server is forked from this process while it runs one
+thread, else started as a fresh interpreter (`gigpo_trl.fork_server`). Every worker reports that it started; one that
+does not within `start_timeout` is killed, counted (`num_start_failures`) and forked again.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ class EnvPool:
         start_timeout: seconds a new worker may take to report that it started before it is killed and forked
             again (`START_ATTEMPTS` times in all).
         fork_server: the fork server of the pool's owner (`GiGPOTrainer` starts one before any thread of its own);
-            the pool does not close it.
+            the pool does not close it. Without one the pool starts its own (`ForkServer`'s "auto" start method).
         name: the environment's name, used in warnings.
     """
 
@@ -244,12 +245,12 @@ class EnvPool:
         if self._fork_server is not None:
             try:
                 return _Worker(*self._fork_server.start(_serve, (self.env_fn,)))
-            except (pickle.PickleError, AttributeError, TypeError) as exc:  # a lambda, a class defined since
+            except (pickle.PickleError, AttributeError, TypeError) as exc:  # it holds a lock, an open file, ...
                 warnings.warn(
                     f"environment {self.name!r}: its factory cannot be sent to the environment fork server ({exc}); "
                     "its workers are forked from this process instead, where a lock another thread holds at the fork "
                     f"can stop a worker's start (it is then forked again after start_timeout={self.start_timeout:g} s). "
-                    "Define the environment at a module's top level, before the trainer is built.",
+                    "Give the pool a factory that can be pickled (cloudpickle: no lock, socket or open file in it).",
                     EnvironmentFailureWarning, stacklevel=4)
                 if self._own_fork_server:
                     self._fork_server.close()

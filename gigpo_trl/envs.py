@@ -198,7 +198,7 @@ def make_env(env: str | EnvFactory, /, **kwargs: Any) -> TextEnv:
     if not isinstance(env, str):
         raise ValueError(f"env must be a registered name or a callable, got {type(env).__name__}")
     if env in _REGISTRY:
-        return _resolve(_REGISTRY[env])(**kwargs)
+        return _make_registered(_REGISTRY[env], **kwargs)
     gymnasium_ids = _gymnasium_ids()
     if env in gymnasium_ids:
         import gymnasium  # noqa: PLC0415 (optional dependency)
@@ -233,8 +233,17 @@ def fold_seeds(env: str | EnvFactory, fold: str, count: int, /, **kwargs: Any) -
 
 
 def env_factory(env: str | EnvFactory, /, **kwargs: Any) -> Callable[[], TextEnv]:
-    """A zero-argument factory for `make_env(env, **kwargs)`, e.g. for `EnvPool`."""
+    """A zero-argument factory for `make_env(env, **kwargs)`, e.g. for `EnvPool`. A name registered in this process
+    is looked up now, so the factory also works in a process where it was never registered (a fork server started as a
+    fresh interpreter); a "module:attribute" entry is still imported where the factory is called."""
+    if isinstance(env, str) and env in _REGISTRY:
+        return functools.partial(_make_registered, _REGISTRY[env], **kwargs)
     return functools.partial(make_env, env, **kwargs)
+
+
+def _make_registered(entry: Any, /, **kwargs: Any) -> TextEnv:
+    """An environment from a registry entry: a factory, or a "module:attribute" string naming one."""
+    return _resolve(entry)(**kwargs)
 
 
 def _resolve(entry: Any) -> Any:

@@ -1,28 +1,42 @@
-"""`ForkServer`: environment workers forked from a process that was forked while this one was quiet.
+"""`ForkServer`: environment workers forked from a process whose only thread is its own.
 
 A process forked while another of its threads holds a lock inherits the lock held, by a thread that does not exist in
 the child. Code the child runs at its birth that takes that lock waits forever: Python's `os.register_at_fork` hooks
 run there, and huggingface_hub registers one that closes its HTTP session, whose connection pool's lock a thread
-sending a request (TRL's telemetry ping, when a trainer is built) may hold. Forking the environment workers from a
-trainer whose threads are busy can therefore leave a worker that never starts.
+sending a request (TRL's telemetry ping, a hub download, a tracking client's upload) may hold. Forking the environment
+workers from a process whose threads are busy can therefore leave a worker that never starts.
 
-The fork server is forked once, when its owner creates it (`GiGPOTrainer` does so first thing, before TRL or vLLM start
-any thread); it has one thread and forks each worker on request. A worker is the fork server's child: it sees every
-class and function that existed in this process when the server was forked (environments defined in a notebook or in
-`__main__` included), receives its target and arguments pickled (by reference), and is spoken to over a pipe whose
-end the server hands back. A target the server cannot unpickle (defined after its birth, a lambda) is refused by
-name, and its owner forks that worker itself.
+The fork server has one thread and forks each worker on request. It is started in one of two ways:
+
+- **fork** (`start_method="fork"`, or "auto" while this process runs one thread): this process is forked, which
+  takes milliseconds, and the server and its workers see every class and function of this process. One thread means no
+  other thread can hold a lock at the fork. `GiGPOTrainer` creates its server first thing, before TRL or vLLM start a
+  thread, so a script's first trainer takes this way.
+- **spawn** (`start_method="spawn"`, or "auto" while other threads run): a fresh interpreter is started (`subprocess`,
+  so fork and exec: nothing of this process survives, no at-fork hook meets a held lock), with this process's
+  `sys.path`, working directory and environment variables. It imports only this module; what a worker needs is
+  imported in the server when its target arrives (once, shared by the workers forked after), which costs the
+  interpreter's start and those imports, about half a second, once per server (bench/bench_pool_start.py).
+
+A worker's target and arguments are pickled with cloudpickle: by reference where they can be imported by name, by
+value where they cannot (classes and functions defined in `__main__`, a notebook or stdin script included, lambdas and
+closures), so both ways serve the same factories. A target that cannot be pickled at all (it holds a lock or an open
+file) or that the server cannot load is refused by name, and its owner forks that worker itself.
 """
 
 from __future__ import annotations
 
 import gc
+import json
 import multiprocessing
 import multiprocessing.connection
 import os
 import pickle
 import signal
+import socket
 import stat
+import subprocess
+import sys
 import threading
 import time
 import traceback
@@ -30,6 +44,13 @@ import warnings
 from collections.abc import Callable
 from multiprocessing import reduction
 from typing import Any
+
+import cloudpickle
+
+START_METHODS = ("auto", "fork", "spawn")
+# The spawned server's whole program: this process's import path, then the server on the inherited socket.
+_SPAWN_PROGRAM = ("import json, sys; sys.path[:] = json.loads(sys.argv[1]); "
+                  "from gigpo_trl.fork_server import serve_spawned; serve_spawned(int(sys.argv[2]))")
 
 
 class WorkerStartError(RuntimeError):
@@ -74,21 +95,23 @@ class ForkServer:
     """A one-thread process that forks workers on request (see the module's docstring).
 
     Args:
-        start_timeout: seconds the server may take to report that it started; one that does not is killed and forked
+        start_timeout: seconds the server may take to report that it started; one that does not is killed and started
             again, up to `attempts` times in all, then `WorkerStartError` is raised naming this process's threads.
+        start_method: "fork" (this process is forked), "spawn" (a fresh interpreter) or "auto": fork while this
+            process runs one thread, else spawn. The method taken is `self.start_method`.
     """
 
-    def __init__(self, start_timeout: float = 20.0, attempts: int = 3):
-        context = multiprocessing.get_context("fork")
+    def __init__(self, start_timeout: float = 20.0, attempts: int = 3, start_method: str = "auto"):
+        if start_method not in START_METHODS:
+            raise ValueError(f"start_method must be one of {START_METHODS}, got {start_method!r}")
+        if start_method == "auto":
+            start_method = "fork" if threading.active_count() == 1 else "spawn"
+        self.start_method = start_method
         self._lock = threading.Lock()  # one request and its answer at a time
         self.start_failures = 0
         for _ in range(attempts):
-            self._connection, child_end = context.Pipe()
             threads = threads_at_fork()
-            self.process = context.Process(target=_serve_forks, args=(child_end, os.getpid()), daemon=True,
-                                           name="gigpo-fork-server")
-            self.process.start()
-            child_end.close()
+            self._connection, self.process = _fork_server() if start_method == "fork" else _spawn_server()
             if self._connection.poll(start_timeout):
                 self._connection.recv()  # "ready"
                 return
@@ -96,18 +119,19 @@ class ForkServer:
             self.process.join(5)
             self._connection.close()
             self.start_failures += 1
-            warnings.warn(f"the environment fork server did not start within {start_timeout:g} s and was killed "
-                          f"(attempt {self.start_failures} of {attempts}); {threads}: a lock one of them held at the "
-                          "fork (huggingface_hub's HTTP session during a request, for one) is the likely cause",
+            cause = ("a lock one of them held at the fork (huggingface_hub's HTTP session during a request, for one) is "
+                     "the likely cause" if start_method == "fork" else "its interpreter did not start")
+            warnings.warn(f"the environment fork server ({start_method}) did not start within {start_timeout:g} s and "
+                          f"was killed (attempt {self.start_failures} of {attempts}); {threads}: {cause}",
                           WorkerStartWarning, stacklevel=2)
-        raise WorkerStartError(f"the environment fork server did not start within {start_timeout:g} s in {attempts} "
-                               f"attempts; {threads}")
+        raise WorkerStartError(f"the environment fork server ({start_method}) did not start within {start_timeout:g} s "
+                               f"in {attempts} attempts; {threads}")
 
     def start(self, target: Callable[..., Any], args: tuple) -> tuple[ForkedProcess, multiprocessing.connection.Connection]:
         """Fork a worker running `target(connection, *args)`; its handle and this side of its pipe. Raises
-        `pickle.PicklingError` (or the unpickling error, re-raised as `pickle.UnpicklingError`) where the server
-        cannot receive `target` and `args`."""
-        payload = pickle.dumps((target, args))  # raises for what cannot be sent by reference (a lambda)
+        `pickle.PicklingError` or `TypeError` where `target` and `args` cannot be pickled, and
+        `pickle.UnpicklingError` (the server's error, by name) where the server cannot load them."""
+        payload = cloudpickle.dumps((target, args))  # raises for what cannot be pickled (a lock, an open file)
         with self._lock:
             self._connection.send(("fork", payload))
             answer = self._connection.recv()
@@ -159,7 +183,51 @@ class ForkedProcess:
         self.server._ask(("kill", self.pid))
 
 
-def _serve_forks(connection: multiprocessing.connection.Connection, client: int) -> None:
+def _fork_server() -> tuple[multiprocessing.connection.Connection, Any]:
+    """Fork this process into a fork server: this side of its pipe and its `multiprocessing.Process`."""
+    context = multiprocessing.get_context("fork")
+    connection, child_end = context.Pipe()
+    process = context.Process(target=_serve_forks, args=(child_end,), daemon=True, name="gigpo-fork-server")
+    process.start()
+    child_end.close()
+    return connection, process
+
+
+def _spawn_server() -> tuple[multiprocessing.connection.Connection, SpawnedProcess]:
+    """Start a fork server in a fresh interpreter: this side of its socket and its process."""
+    ours, theirs = socket.socketpair()
+    with theirs:
+        process = subprocess.Popen(
+            [sys.executable, "-c", _SPAWN_PROGRAM, json.dumps(sys.path), str(theirs.fileno())],
+            pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
+    return multiprocessing.connection.Connection(ours.detach()), SpawnedProcess(process)
+
+
+class SpawnedProcess:
+    """A spawned fork server's `subprocess.Popen`, with the part of `multiprocessing.Process`'s interface used here."""
+
+    def __init__(self, popen: subprocess.Popen):
+        self.popen, self.pid = popen, popen.pid
+
+    def is_alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def kill(self) -> None:
+        self.popen.kill()
+
+    def join(self, timeout: float | None = None) -> None:
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def serve_spawned(descriptor: int) -> None:
+    """The spawned fork server's entry point: serve on the socket inherited as file descriptor `descriptor`."""
+    _serve_forks(multiprocessing.connection.Connection(descriptor))
+
+
+def _serve_forks(connection: multiprocessing.connection.Connection) -> None:
     """The fork server: answer fork, wait and kill requests until told to close or the client is gone."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
     release_inherited_sockets(keep=connection.fileno())
@@ -177,7 +245,7 @@ def _serve_forks(connection: multiprocessing.connection.Connection, client: int)
         if command == "fork":
             try:
                 target, args = pickle.loads(argument)
-            except Exception as exc:  # defined after this server's birth, or not importable here
+            except Exception as exc:  # a module this server cannot import, for one
                 connection.send(("refused", f"{type(exc).__name__}: {exc}"))
                 continue
             parent_end, child_end = multiprocessing.Pipe()
@@ -196,7 +264,7 @@ def _serve_forks(connection: multiprocessing.connection.Connection, client: int)
             child_end.close()
             exit_codes[pid] = None
             connection.send(("forked", pid))
-            reduction.send_handle(connection, parent_end.fileno(), client)
+            reduction.send_handle(connection, parent_end.fileno(), os.getppid())
             parent_end.close()
         elif command == "wait":
             pid, timeout = argument

@@ -155,7 +155,7 @@ class GiGPOTrainer(GiGPOLossMixin, RunLogsMixin, GRPOTrainer):
                 environment_factory, reward_funcs, train_dataset, eval_dataset, tasks_per_rollout, args.max_steps)
         check_task_datasets(train_dataset, eval_dataset, tasks_per_rollout, seeds=environment_factory is None,
                             indexed=args.dynamic_sampling_max_rounds > 0)
-        # Before TRL (its telemetry ping) or vLLM start a thread: the environment workers are forked from this quiet copy
+        # Before TRL (its telemetry ping) or vLLM start a thread, so that it can be a fork of this process (fork_server.py)
         self._fork_server = ForkServer() if args.env_processes and "fork" in multiprocessing.get_all_start_methods() else None
         with vllm_engine_for(args, model, peft_config):  # vllm_lora_sync='adapter': vLLM starts with LoRA
             super().__init__(
