@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import os
 import random
 import string
@@ -48,6 +49,7 @@ class FragileCorridor(Corridor):
         if action == "exit":
             os._exit(3)
         if action == "segfault":
+            faulthandler.disable()  # a real crash, without the stack dump pytest's fault handler would print for it
             ctypes.string_at(0)
         if action == "hang":
             time.sleep(3600)
