@@ -523,11 +523,32 @@ def learning_reading(rows: list[dict], arms: Sequence[str]) -> dict:
     return result
 
 
-def step_credit_reading(rows: list[dict], panel_tasks: int, first: str = PAPER, second: str = BASELINE) -> dict:
+def panel_resolution(panel_tasks: int, copies: int = 1, greedy: bool = True) -> float:
+    """The reversal tolerance of `step_credit_reading`: for a greedy panel, one of its `panel_tasks` tasks (setting
+    H's); for a sampled one (`copies` episodes of each task), the standard error of its success rate where every task
+    is won half the time, its largest: 0.5 / sqrt(panel_tasks x copies) (setting I's,
+    research/settings/i_wasted_turns/README.md)."""
+    return 1.0 / panel_tasks if greedy else 0.5 / float(np.sqrt(panel_tasks * copies))
+
+
+def curve_mean_rows(rows: list[dict]) -> list[dict]:
+    """One evaluation row per run whose success rate is the mean of the run's held-out evaluations after training
+    began (step > 0): how soon it learns, as a row `step_credit_reading` reads as each run's final figure."""
+    by_run: dict[tuple[str, int], list[float]] = {}
+    for row in rows:
+        if row["mode"] == "eval" and row["step"] > 0:
+            by_run.setdefault((row["method"], row["seed"]), []).append(row["success_rate"])
+    return [{"method": method, "seed": seed, "mode": "eval", "step": 1, "success_rate": float(np.mean(values))}
+            for (method, seed), values in by_run.items()]
+
+
+def step_credit_reading(rows: list[dict], panel_tasks: int, first: str = PAPER, second: str = BASELINE,
+                        tolerance: float | None = None) -> dict:
     """Setting H's pre-registered rule (research/settings/h_step_credit/README.md): `first` beats `second` when its
     final held-out success (each run's last evaluation) is above on every seed, or when the mean difference over seeds
     exceeds twice its standard error (sample standard deviation over the square root of the seeds) with no seed
-    reversed by more than one task of the `panel_tasks`-task panel. Both directions are read; per seed the figures."""
+    reversed by more than `tolerance` (None: one task of the `panel_tasks`-task panel, H's; setting I's sampled panel
+    takes `panel_resolution`). Both directions are read; per seed the figures."""
     final: dict[str, dict[int, float]] = {first: {}, second: {}}
     for row in sorted((r for r in rows if r["mode"] == "eval" and r["method"] in final and r["step"] > 0),
                       key=lambda r: r["step"]):
@@ -537,14 +558,15 @@ def step_credit_reading(rows: list[dict], panel_tasks: int, first: str = PAPER, 
         return {"seeds": seeds, "verdict": "not readable: fewer than 2 seeds with both arms' final evaluation"}
     differences = np.array([final[first][seed] - final[second][seed] for seed in seeds])
     mean, standard_error = float(differences.mean()), float(differences.std(ddof=1) / np.sqrt(len(seeds)))
-    verdict = "neither beats the other"
+    verdict, allowed = "neither beats the other", 1.0 / panel_tasks if tolerance is None else tolerance
     for better, worse, sign in ((first, second, 1.0), (second, first, -1.0)):
         gains = sign * differences
         if (gains > 0).all():
             verdict = f"{better} beats {worse}: above on every seed ({len(seeds)})"
-        elif sign * mean > 2 * standard_error and gains.min() >= -1.0 / panel_tasks - 1e-9:
+        elif sign * mean > 2 * standard_error and gains.min() >= -allowed - 1e-9:
             verdict = (f"{better} beats {worse}: mean difference {sign * mean:+.3f} above twice its standard error "
-                       f"({standard_error:.3f}), no seed reversed by more than one panel task")
+                       f"({standard_error:.3f}), no seed reversed by more than "
+                       + ("one panel task" if tolerance is None else f"the panel's resolution ({tolerance:.3f})"))
     return {"seeds": seeds, "final": {method: [final[method][seed] for seed in seeds] for method in final},
             "difference_mean": mean, "difference_standard_error": standard_error, "verdict": verdict}
 

@@ -40,8 +40,11 @@ held-out comparison and the decision are refused, naming the runs and the tasks,
 rollout, and prints what choosing a setting needs: held-out success, the optimal path length (breadth-first),
 and the step groups (mean size, singleton share) that the copies of a task form. With --arms, each arm of the file is
 a candidate (its arguments added to each config); --screen-temperatures samples a rollout at each temperature (its
-success, decisions and prompt tokens per step), and --screen-update measures the CPU seconds of one training
-iteration (its rollout and its update) at the config's own batch.
+success, decisions and prompt tokens per step), --screen-eval-samples K plays the held-out panel again at the
+config's temperature, K sampled copies of each task (the evaluation of a run with eval_greedy false and
+num_generations_eval K: its success, return spread within task groups, and how often a wasted turn lost the game),
+and --screen-update measures the CPU seconds of one training iteration (its rollout and its update) at the config's
+own batch.
 
 Rooms diagnostics, in the summary and the plot (settings A and B read them): the share of steps that follow the
 draught, the mean advantage of steps that follow it and of those that go against it, and the policy entropy
@@ -76,6 +79,7 @@ if str(ROOT) not in sys.path:  # run as a script (python research/learning.py): 
 from gigpo_trl.records import read_trajectories  # noqa: E402
 from research.analysis import (  # noqa: E402
     PANEL_FLAG,
+    curve_mean_rows,
     curves,
     cut_at_common_evaluation,
     draught_advantages,
@@ -83,6 +87,7 @@ from research.analysis import (  # noqa: E402
     earlier_entropy,
     earlier_rows,
     held_out_panels,
+    panel_resolution,
     plot,
     shortest_move_advantages,
     shortest_moves,
@@ -158,9 +163,15 @@ def main() -> None:
                         help="--screen's held-out tasks, sampled tasks and copies per sampled task")
     parser.add_argument("--screen-temperatures", type=float, nargs="+", default=[], metavar="T",
                         help="--screen's sampled rollout at each of these temperatures (default: the config's)")
+    parser.add_argument("--screen-eval-samples", type=int, default=0, metavar="K",
+                        help="--screen also plays the held-out panel at the config's temperature, K sampled copies of "
+                        "each task, through the trainer's evaluation (eval_greedy false, num_generations_eval K), with "
+                        "what its wasted turns cost (research.probes.sampled_panel)")
     parser.add_argument("--screen-update", action="store_true",
                         help="--screen also measures the CPU seconds of one training iteration at the config's batch")
     args, overrides = parser.parse_known_args()  # the rest goes to the recipe, e.g. --max_steps 100
+    if args.screen_eval_samples < 0 or args.screen_eval_samples == 1:
+        parser.error(f"--screen-eval-samples takes 0 (none) or K >= 2 copies a task, got {args.screen_eval_samples}")
     if args.jobs < 1:
         parser.error(f"--jobs must be >= 1, got {args.jobs}")
     if args.rows_from is not None and not args.analyze_only:
@@ -178,7 +189,7 @@ def main() -> None:
             results.append({"candidate": name or config.stem, "recipe_arguments": [*arguments, *overrides]} | screen(
                 config, args.model or EMBEDDED, *args.screen_tasks, [*arguments, *overrides],
                 args.screen_temperatures, args.screen_update,
-                args.output / "records" / f"{config.stem}-{len(results)}"))
+                args.output / "records" / f"{config.stem}-{len(results)}", args.screen_eval_samples))
             (args.output / "screen.json").write_text(json.dumps(results, indent=2))
             print(json.dumps(results[-1], indent=2), flush=True)
         return
@@ -260,7 +271,15 @@ def main() -> None:
     if all(advantages.values()):
         result["advantage_by_draught"] = advantages
     if settings["env_name"] == "compass":  # setting H's readings (research/settings/h_step_credit/README.md)
-        result["step_credit_reading"] = step_credit_reading(rows, settings["num_eval_tasks"])
+        greedy = settings.get("eval_greedy", False)
+        if greedy:
+            result["step_credit_reading"] = step_credit_reading(rows, settings["num_eval_tasks"])
+        else:  # setting I's: a sampled panel, the reversal tolerance its resolution, and the curve's mean read too
+            tolerance = panel_resolution(settings["num_eval_tasks"], settings["num_generations_eval"], greedy=False)
+            result["panel_resolution"] = tolerance
+            result["step_credit_reading"] = step_credit_reading(rows, settings["num_eval_tasks"], tolerance=tolerance)
+            result["step_credit_reading_curve_mean"] = step_credit_reading(
+                curve_mean_rows(rows), settings["num_eval_tasks"], tolerance=tolerance)
         result["advantage_by_shortest_move"] = {f"{method} seed {seed}": shortest_move_advantages(
             shortest_moves(trajectories[method, seed])) for method, seed in runs}
         result["won_decisions"] = {f"{method} seed {seed}": won_decisions(trajectories[method, seed])

@@ -6,6 +6,7 @@ model act on its observation, or its history, at all?) and the screen of candida
 from __future__ import annotations
 
 import itertools
+import math
 import random
 import re
 import time
@@ -174,14 +175,15 @@ def reading_probe(model_dir: str, settings: dict, learning_rate: float, steps: i
 
 def screen(config: Path, model: str, eval_tasks: int, sampled_tasks: int, copies: int,
            recipe_arguments: Sequence[str] = (), temperatures: Sequence[float] = (), update: bool = False,
-           records_dir: Path | None = None) -> dict:
+           records_dir: Path | None = None, eval_samples: int = 0) -> dict:
     """What choosing a setting needs, from the base model (no training): its greedy held-out success and episode
     length on the first `eval_tasks` tasks of the config's eval fold, the optimal path length of those tasks
     (`shortest_path_length`), and one sampled rollout of `sampled_tasks` x `copies` at each of `temperatures` (the
     config's temperature if none): success, decisions (steps) per episode, prompt tokens per step, step groups and the
     share of task groups whose copies' returns differ. The trainer's records go to `records_dir` (default
     outputs/screen/CONFIG: give each candidate its own when several run at once). With `update`, the CPU seconds of
-    one training iteration at the config's own batch (`iteration_cpu_seconds`).
+    one training iteration at the config's own batch (`iteration_cpu_seconds`). With `eval_samples` k, the held-out
+    panel is played a second time at the config's temperature, k sampled copies of each task (`sampled_panel`).
     `recipe_arguments` change the config (e.g. --history_length 2)."""
     import gc
 
@@ -206,9 +208,12 @@ def screen(config: Path, model: str, eval_tasks: int, sampled_tasks: int, copies
     optimal = [shortest_path_length(env, seed, args.max_env_steps) for seed in panel["seed"]]
     env.close()
     reachable = [length for length in optimal if length is not None]
+    sampled_held_out, distance_env, distances = None, make_env(args.env_name, **args.env_kwargs), {}
+    if eval_samples:
+        sampled_held_out = sampled_panel(trainer, eval_samples, len(panel), distance_env, args.max_env_steps, distances)
     trainer.model.train()
     rows = [train[k] for k in range(sampled_tasks) for _ in range(copies)]
-    sampled, distance_env, distances = {}, make_env(args.env_name, **args.env_kwargs), {}
+    sampled = {}
     for temperature in temperatures or [args.temperature]:
         trainer.temperature = trainer.generation_config.temperature = temperature
         trainer._generate_and_score_completions(rows)  # one sampled rollout, no update
@@ -236,9 +241,75 @@ def screen(config: Path, model: str, eval_tasks: int, sampled_tasks: int, copies
         "optimal_path_min": min(reachable, default=None), "unwinnable_within_limit": optimal.count(None),
         "sampled": sampled,
     }
+    if sampled_held_out is not None:
+        result["sampled_held_out"] = sampled_held_out
     if update:
         result["iteration"] = iteration_cpu_seconds(config, model, recipe_arguments)
     return result
+
+
+def sampled_panel(trainer: Any, copies: int, tasks: int, env: Any, search_depth: int, distances: dict) -> dict:
+    """The held-out panel of `trainer` (its `tasks` tasks) played at the trainer's temperature, `copies` sampled copies
+    of each task, through the trainer's own evaluation with `eval_greedy` false and `num_generations_eval` = `copies`
+    (the evaluation a training run with those settings makes, as `gigpo_trl.evaluation.evaluate_panels` plays it):
+    its success, decisions, invalid answers and CPU seconds, and what its episodes' wasted turns cost
+    (`wasted_turn_costs`, the distances found by replaying each episode in `env`)."""
+    from research.credit_probe import step_distances
+
+    args = trainer.args
+    trainer.num_generations_eval, args.eval_greedy = copies, False
+    args.per_device_eval_batch_size = copies * tasks
+    rollouts, generate = [], trainer._generate_and_score_completions
+
+    def kept(inputs):  # every rollout of the evaluation (one, with the whole panel in one batch)
+        batch = generate(inputs)
+        rollouts.append(trainer.last_rollout)
+        return batch
+
+    trainer._generate_and_score_completions = kept
+    started = time.process_time()
+    try:
+        metrics = trainer.evaluate()
+    finally:
+        del trainer._generate_and_score_completions  # the class's method again
+    cpu = time.process_time() - started
+    episodes = []
+    for rollout in rollouts:
+        before, after = step_distances(env, rollout, search_depth, distances)
+        for episode in rollout.episodes:
+            rows = rollout.steps.rows_of(episode.trajectory)
+            episodes.append((episode.seed, bool(episode.won), int((after[rows] >= before[rows]).sum()),
+                             float(after[rows[-1]]) if rows else math.inf))
+    return {"copies": copies, "temperature": float(trainer.temperature), "episodes": len(episodes),
+            "success": metrics["eval_env/success_rate"],
+            "decisions_per_episode": metrics["eval_env/episode_length_mean"],
+            "invalid_action_rate": metrics.get("eval_env/invalid_action_rate"), "cpu_s": cpu,
+            **wasted_turn_costs(episodes)}
+
+
+def wasted_turn_costs(episodes: Sequence[tuple[int, bool, int, float]]) -> dict[str, float]:
+    """What wasted turns cost a panel of sampled episodes, each (task seed, won, wasted turns, distance to a win after
+    its last step): the share of task groups whose copies both won and lost (`groups_with_return_spread`), the share
+    of episodes with a wasted turn, of those the share that lost (`wasted_turn_loss_share`: how often a wasted turn
+    costs the game), of the lost episodes the share that wasted a turn, and the share of lost episodes that ended
+    within 2 moves of a win. Shares of nothing are NaN."""
+    def share(part: int, whole: int) -> float:
+        return part / whole if whole else float("nan")
+
+    outcomes: dict[int, set[bool]] = {}
+    for seed, won, _, _ in episodes:
+        outcomes.setdefault(seed, set()).add(won)
+    wasted = [won for _, won, count, _ in episodes if count > 0]
+    lost = [(count, distance) for _, won, count, distance in episodes if not won]
+    return {
+        "task_groups": len(outcomes),
+        "groups_with_return_spread": share(sum(len(seen) == 2 for seen in outcomes.values()), len(outcomes)),
+        "wasted_turns_per_episode": share(sum(count for _, _, count, _ in episodes), len(episodes)),
+        "episodes_with_wasted_turn_share": share(len(wasted), len(episodes)),
+        "wasted_turn_loss_share": share(wasted.count(False), len(wasted)),
+        "lost_with_wasted_turn_share": share(sum(count > 0 for count, _ in lost), len(lost)),
+        "lost_within_2_moves_share": share(sum(distance <= 2 for _, distance in lost), len(lost)),
+    }
 
 
 def wasted_steps(env: Any, rollout: Any, search_depth: int, distances: dict) -> dict[str, float]:

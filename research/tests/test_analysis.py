@@ -379,6 +379,30 @@ def test_step_credit_reading_is_setting_h_s_pre_registered_rule():
     assert step_credit_reading(rows([0.6], [0.4]), 40)["verdict"].startswith("not readable")
 
 
+
+def test_setting_i_reads_the_sampled_panel_with_its_resolution_as_the_reversal_tolerance_and_the_curve_mean():
+    from research.analysis import curve_mean_rows, panel_resolution, step_credit_reading
+
+    assert panel_resolution(40) == pytest.approx(0.025)  # greedy: one task of 40, setting H's
+    assert panel_resolution(40, 4, greedy=False) == pytest.approx(0.5 / 160 ** 0.5)  # 0.0395
+
+    def rows(finals_first, finals_second, halfway=0.3):
+        return [{"method": method, "seed": seed, "mode": "eval", "step": step, "success_rate": value}
+                for method, finals in (("GiGPO", finals_first), ("GRPO (omega=0)", finals_second))
+                for seed, final in enumerate(finals) for step, value in ((0, 0.2), (5, halfway), (10, final))]
+
+    # one seed reversed by 0.035: beyond one task of 40 (0.025), within the sampled panel's resolution (0.0395)
+    finals = [0.7, 0.8, 0.465, 0.9, 0.8], [0.4, 0.5, 0.5, 0.6, 0.5]
+    assert step_credit_reading(rows(*finals), 40)["verdict"] == "neither beats the other"
+    sampled = step_credit_reading(rows(*finals), 40, tolerance=panel_resolution(40, 4, greedy=False))
+    assert sampled["verdict"].startswith("GiGPO beats GRPO (omega=0): mean difference")
+    assert sampled["verdict"].endswith("no seed reversed by more than the panel's resolution (0.040)")
+    # the curve's mean: the evaluations after step 0 (the base's, shared, left out)
+    means = {(row["method"], row["seed"]): row["success_rate"] for row in curve_mean_rows(rows(*finals))}
+    assert means["GiGPO", 0] == pytest.approx((0.3 + 0.7) / 2) and means["GRPO (omega=0)", 2] == pytest.approx(0.4)
+    assert step_credit_reading(curve_mean_rows(rows(*finals)), 40)["final"]["GiGPO"] == pytest.approx(
+        [0.5, 0.55, 0.3825, 0.6, 0.55])
+
 def test_the_shortest_move_advantages_compare_the_steps_taken_from_one_state():
     from research.analysis import shortest_move_advantages, shortest_moves, won_decisions
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import random
 from pathlib import Path
 
@@ -108,3 +109,47 @@ def test_the_screen_plays_each_candidate_at_each_temperature_and_times_a_trainin
         iteration = candidate["iteration"]
         assert iteration["rollout_cpu_s"] > 0 and iteration["update_cpu_s"] > 0
         assert 2 * 2 <= iteration["step_samples"] <= 2 * 2 * limit  # 2 tasks x 2 copies, 1 to `limit` steps each
+
+
+def test_wasted_turn_costs_count_the_groups_that_both_won_and_lost_and_how_often_a_wasted_turn_lost():
+    from research.probes import wasted_turn_costs
+
+    # (task seed, won, wasted turns, distance to a win after the last step)
+    episodes = [(1, True, 0, 0.0), (1, False, 2, 1.0), (1, True, 1, 0.0),   # task 1: won and lost
+                (2, False, 3, 3.0), (2, False, 1, 2.0), (2, False, 2, 4.0),  # task 2: all lost
+                (3, True, 0, 0.0), (3, True, 0, 0.0), (3, True, 0, 0.0)]     # task 3: all won, no waste
+    costs = wasted_turn_costs(episodes)
+    assert costs["task_groups"] == 3 and costs["groups_with_return_spread"] == pytest.approx(1 / 3)
+    assert costs["wasted_turns_per_episode"] == pytest.approx(9 / 9)
+    assert costs["episodes_with_wasted_turn_share"] == pytest.approx(5 / 9)
+    assert costs["wasted_turn_loss_share"] == pytest.approx(4 / 5)  # of the 5 that wasted a turn, 4 lost
+    assert costs["lost_with_wasted_turn_share"] == 1.0
+    assert costs["lost_within_2_moves_share"] == pytest.approx(2 / 4)
+    nothing_lost = wasted_turn_costs([(1, True, 0, 0.0)])
+    assert math.isnan(nothing_lost["wasted_turn_loss_share"]) and math.isnan(nothing_lost["lost_within_2_moves_share"])
+
+
+@pytest.mark.timeout(600)
+def test_the_screen_plays_the_held_out_panel_sampled_k_copies_a_task_through_the_trainers_evaluation(
+        tiny_model_path, tmp_path):
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    output = tmp_path / "screen"
+    command = [sys.executable, str(root / "research" / "learning.py"), "--screen",
+               str(root / "research" / "configs" / "learning_compass_cpu.yaml"), "--model", tiny_model_path,
+               "--screen-tasks", "3", "1", "2", "--screen-eval-samples", "2", "--output", str(output),
+               "--max_env_steps", "5", "--prompt_template", "action_one_shot"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=root)
+
+    assert result.returncode == 0, result.stderr[-4000:]
+    panel = json.loads((output / "screen.json").read_text())[0]["sampled_held_out"]
+    assert panel["copies"] == 2 and panel["temperature"] == 0.6 and panel["episodes"] == 3 * 2
+    assert panel["task_groups"] == 3 and 0 <= panel["success"] <= 1 and 0 < panel["decisions_per_episode"] <= 5
+    assert 0 <= panel["wasted_turns_per_episode"] <= panel["decisions_per_episode"]
+    # in compass an episode that wastes no turn wins (the limit is above the shortest path): every loss wasted one
+    assert panel["lost_with_wasted_turn_share"] == 1.0 or panel["success"] == 1.0
+    records = [json.loads(line) for line in
+               (output / "records" / "learning_compass_cpu-0" / "gigpo" / "evaluations.jsonl").read_text().splitlines()]
+    assert [(record["copies"], record["decoding"]) for record in records] == [(1, "greedy"), (2, "sampled")]
