@@ -234,10 +234,15 @@ def fold_seeds(env: str | EnvFactory, fold: str, count: int, /, **kwargs: Any) -
 
 def env_factory(env: str | EnvFactory, /, **kwargs: Any) -> Callable[[], TextEnv]:
     """A zero-argument factory for `make_env(env, **kwargs)`, e.g. for `EnvPool`. A name registered in this process
-    is looked up now, so the factory also works in a process where it was never registered (a fork server started as a
-    fresh interpreter); a "module:attribute" entry is still imported where the factory is called."""
+    (with `register_env`, or a gymnasium id) is looked up now, so the factory also works in a process where it was
+    never registered (a fork server started as a fresh interpreter); a "module:attribute" entry is still imported
+    where the factory is called."""
     if isinstance(env, str) and env in _REGISTRY:
         return functools.partial(_make_registered, _REGISTRY[env], **kwargs)
+    if isinstance(env, str) and env in _gymnasium_ids():
+        import gymnasium  # noqa: PLC0415 (optional dependency)
+
+        return functools.partial(gymnasium.make, gymnasium.spec(env), **kwargs)
     return functools.partial(make_env, env, **kwargs)
 
 

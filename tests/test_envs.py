@@ -11,6 +11,7 @@ from toy_envs import Corridor, GuessTheNumber, UnseededCorridor
 from gigpo_trl.env_checker import EnvCheckError, EnvCheckWarning, check_env
 from gigpo_trl.env_pool import EnvPool
 from gigpo_trl.envs import anchor_of, env_factory, fold_seeds, make_env, register_env, registered_envs
+from gigpo_trl.fork_server import ForkServer
 from gigpo_trl.tasks import Task
 
 gymnasium.register(id="GuessTheNumber-v0", entry_point=GuessTheNumber)
@@ -25,15 +26,31 @@ def test_registered_names_callables_and_gymnasium_ids_all_make_environments():
     assert make_env("GuessTheNumber-v0").reset(seed=0)[0] == "Guess a number from 1 to 9."
 
 
-def test_a_gymnasium_text_environment_works_through_the_contract_and_the_pool():
+@pytest.mark.parametrize("server", ["auto", "spawn"])
+def test_a_gymnasium_text_environment_works_through_the_contract_and_the_pool(server):
+    """The id is registered in this process only (this module's `gymnasium.register`): a fork server started as a
+    fresh interpreter, which never ran that line, still makes the environment (the factory carries its spec)."""
     check_env(make_env("GuessTheNumber-v0"))
 
-    with EnvPool(env_factory("GuessTheNumber-v0"), num_groups=1, group_size=9) as pool:
+    fork_server = ForkServer(start_method=server)
+    with EnvPool(env_factory("GuessTheNumber-v0"), num_groups=1, group_size=9, fork_server=fork_server) as pool:
         pool.reset([Task(seed=3)])
         outputs = pool.step({i: str(i + 1) for i in range(9)})
+    fork_server.close()
 
+    assert [o.info.get("env_error") for o in outputs.values()] == [None] * 9
     winners = [i for i, o in outputs.items() if o.info["won"]]
     assert len(winners) == 1 and outputs[winners[0]].reward == 10.0 and outputs[winners[0]].terminated
+
+
+def test_a_name_registered_in_this_process_plays_in_a_pool_whose_fork_server_is_a_fresh_interpreter():
+    register_env("test-corridor-spawned", Corridor, overwrite=True)
+    fork_server = ForkServer(start_method="spawn")
+    with EnvPool(env_factory("test-corridor-spawned"), num_groups=1, group_size=2, fork_server=fork_server) as pool:
+        outputs = pool.reset([Task(seed=1)])
+    fork_server.close()
+
+    assert [o.anchor for o in outputs] == [(4, 0), (4, 0)]
 
 
 def test_registry_errors_name_the_problem():
