@@ -36,6 +36,8 @@ REPLACED_FIELDS = {
 # Anchors of the environment_factory classes of TRL (gigpo_trl.trl_environment).
 TOOL_ANCHOR_MODES = ("state", "tool_calls")
 DEFAULT_MAX_ENV_STEPS = 50
+# history_length "auto": the window of text environments (environment_factory classes play the whole conversation)
+DEFAULT_HISTORY_LENGTH = 2
 
 
 @dataclass
@@ -114,8 +116,13 @@ class GiGPOConfig(GRPOConfig):
                   "max_tool_calling_iterations, when set, sets it to that number + 1 (the first reply and the rounds "
                   "after tool results)."},
     )
-    history_length: int = field(
-        default=2, metadata={"help": "K: the number of previous (observation, action) pairs shown in a step's prompt."}
+    history_length: int | str | None = field(
+        default="auto",
+        metadata={"help": "What a step's prompt shows of the episode before it: K, the last K (observation, action) "
+                  "exchanges, each prompt written anew; 'conversation' (or None), the whole conversation, each prompt "
+                  "the previous one's token ids, its answer as generated and what came back; 'auto' (default), the "
+                  "whole conversation for TRL environment_factory classes (as TRL plays them) and K=2 for text "
+                  "environments."},
     )
     prompt_template: str | None = field(
         default=None,
@@ -236,6 +243,13 @@ class GiGPOConfig(GRPOConfig):
                   "nargs": "?", "const": True},
     )
 
+    def history_shown(self, tool_environment: bool) -> int | None:
+        """The `history_length` a run plays with: K past exchanges, or None for the whole conversation ('auto': None
+        for TRL environment_factory classes, `DEFAULT_HISTORY_LENGTH` for text environments)."""
+        if self.history_length == "auto":
+            return None if tool_environment else DEFAULT_HISTORY_LENGTH
+        return self.history_length
+
     def __post_init__(self):
         if self.activation_checkpointing is None and self.gradient_checkpointing is None:
             self.activation_checkpointing = True
@@ -255,6 +269,7 @@ class GiGPOConfig(GRPOConfig):
             except json.JSONDecodeError as exc:
                 raise ValueError(f"env_kwargs must be a dict or a JSON object string, got {self.env_kwargs!r}: {exc}") from None
         self.env_kwargs = dict(self.env_kwargs or {})
+        self.history_length = _history_length(self.history_length)
         if isinstance(self.vllm_engine_kwargs, str):
             try:
                 self.vllm_engine_kwargs = json.loads(self.vllm_engine_kwargs)
@@ -323,8 +338,8 @@ class GiGPOConfig(GRPOConfig):
             problems.append(f"log_trajectories={self.log_trajectories} must be >= 0")
         if self.tool_anchor not in TOOL_ANCHOR_MODES:
             problems.append(f"tool_anchor={self.tool_anchor!r} is not one of {TOOL_ANCHOR_MODES}")
-        if self.history_length < 0:
-            problems.append(f"history_length={self.history_length} must be >= 0")
+        if isinstance(self.history_length, int) and self.history_length < 0:
+            problems.append(f"history_length={self.history_length} must be >= 0 (or 'conversation', 'auto')")
         if self.step_timeout <= 0:
             problems.append(f"step_timeout={self.step_timeout} must be > 0")
         if self.env_reset_attempts < 1:
@@ -423,6 +438,23 @@ def _trajectories_message(per_device_train_batch_size: int, steps_per_generation
         f"per_device_train_batch_size={working} with steps_per_generation={steps_per_generation} "
         f"({working * steps_per_generation // num_generations} task(s) x {num_generations} copies per process)"
     )
+
+
+def _history_length(value: int | str | None) -> int | str | None:
+    """`history_length` as given (a YAML or command-line string included): an int K, None for the whole conversation,
+    or 'auto'."""
+    if value is None or isinstance(value, int) and not isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("conversation", "none", "null"):
+        return None
+    if text == "auto":
+        return "auto"
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"history_length={value!r} must be a number of past exchanges (K >= 0), 'conversation' "
+                         "(None: the whole conversation) or 'auto'") from None
 
 
 def _cuda_available() -> bool:

@@ -5,6 +5,12 @@ Two dialogues ship: `TextDialogue` for text environments (the prompt of `gigpo_t
 recent history, observation, admissible actions; the answer read by `gigpo_trl.parsing.parse_action`), and the
 tool-calling dialogue of TRL's `environment_factory` classes (`gigpo_trl.trl_environment.ToolCallDialogue`). The turn
 loop (`gigpo_trl.rollout`) only speaks to the protocol.
+
+A dialogue shows either a window of history (`history_length` K: each step's prompt is written anew from messages,
+with the last K exchanges) or the whole conversation (`history_length` None): the first step's prompt is written from
+messages, and every later one is a `ContinuedPrompt`, the previous step's prompt and completion ids as generated
+followed by the messages of what came back (`Dialogue.turn`), which the generator renders as the next turn
+(`gigpo_trl.conversation`).
 """
 
 from __future__ import annotations
@@ -43,8 +49,27 @@ class PromptTooLong:
     limit: int
 
 
-# (chat prompts, the tools each offers or None) -> one `Completion` (or `PromptTooLong`) per prompt
-TurnGenerator = Callable[[list[Messages], list[Tools | None]], list[Completion | PromptTooLong]]
+@dataclass(frozen=True)
+class ContinuedPrompt:
+    """A step's prompt in conversation mode: the previous step's prompt ids and completion ids, exactly as they were
+    generated from and generated, then `turn`, the messages of what came back (the next observation, or the tool
+    messages), to be rendered as the next turn of the chat. `messages` is the whole conversation as chat messages (the
+    answers as their decoded text), for logs: the ids, not a rendering of these messages, are what the model reads."""
+
+    previous: Completion
+    turn: Messages
+    messages: Messages
+
+
+Prompt = Messages | ContinuedPrompt
+
+
+def prompt_messages(prompt: Prompt) -> Messages:
+    """A prompt's chat messages (a continued prompt's: the whole conversation so far)."""
+    return prompt.messages if isinstance(prompt, ContinuedPrompt) else prompt
+
+# (prompts, the tools each offers or None) -> one `Completion` (or `PromptTooLong`) per prompt
+TurnGenerator = Callable[[list[Prompt], list[Tools | None]], list[Completion | PromptTooLong]]
 
 
 @dataclass(frozen=True)
@@ -54,13 +79,26 @@ class Exchange:
     observation: str  # what the agent saw
     action: ParsedAction  # what its answer became
     result: EnvOutput  # what the environment returned
+    completion: Completion  # the answer as generated
 
 
 class Dialogue(Protocol):
     """How a step's prompt is written and how an answer becomes the environment's action. `start` is what the
-    environment's reset returned, `current` the state the action is taken in, `history` the episode's past steps."""
+    environment's reset returned, `current` the state the action is taken in, `history` the episode's past steps.
+    `history_length` is the number of past exchanges a prompt shows, None for the whole conversation (every prompt
+    after the first continues the one before it: `reply` and `turn` write what is appended)."""
+
+    history_length: int | None
 
     def prompt(self, start: EnvOutput, current: EnvOutput, history: Sequence[Exchange], step: int) -> Messages: ...
+
+    def reply(self, past: Exchange) -> dict[str, Any]:
+        """The assistant message a past answer is shown as."""
+        ...
+
+    def turn(self, past: Exchange, step: int) -> Messages:
+        """The messages of what came back after a past answer, shown before the answer of `step`."""
+        ...
 
     def tools(self, start: EnvOutput) -> Tools | None: ...
 
@@ -70,10 +108,12 @@ class Dialogue(Protocol):
 @dataclass(frozen=True)
 class TextDialogue:
     """Text environments: `build_messages` prompts (task, the last `history_length` (observation, action) pairs, the
-    observation, the admissible actions, the answer format) and answers read by `parse_action`; no tools."""
+    observation, the admissible actions, the answer format) and answers read by `parse_action`; no tools. In
+    conversation mode (`history_length` None) the first prompt is `build_messages`'s without history, each answer is
+    shown as the assistant's message and each later observation as a user message of the same wording (no task)."""
 
     template: PromptTemplate | None = None
-    history_length: int = 2
+    history_length: int | None = 2
 
     def prompt(self, start: EnvOutput, current: EnvOutput, history: Sequence[Exchange], step: int) -> Messages:
         return build_messages(
@@ -82,9 +122,18 @@ class TextDialogue:
             task=current.info.get(INFO_TASK),
             history=[(past.observation, past.action.action) for past in history],
             admissible_actions=current.info.get(INFO_ADMISSIBLE_ACTIONS),
-            history_length=self.history_length,
+            history_length=self.history_length or 0,
             template=self.template,
         )
+
+    def reply(self, past: Exchange) -> dict[str, Any]:
+        return {"role": "assistant", "content": past.completion.text}
+
+    def turn(self, past: Exchange, step: int) -> Messages:
+        current = build_messages(past.result.observation, step=step,
+                                 admissible_actions=past.result.info.get(INFO_ADMISSIBLE_ACTIONS), history_length=0,
+                                 template=self.template)
+        return current[-1:]
 
     def tools(self, start: EnvOutput) -> None:
         return None

@@ -20,7 +20,8 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from gigpo_trl.dialogue import (
-    DUMMY_PROMPT, Completion, Dialogue, Exchange, Messages, PromptTooLong, TextDialogue, TurnGenerator,
+    DUMMY_PROMPT, Completion, ContinuedPrompt, Dialogue, Exchange, Messages, Prompt, PromptTooLong, TextDialogue,
+    TurnGenerator, prompt_messages,
 )
 from gigpo_trl.env_pool import INFO_ENV_ERROR, EnvPool
 from gigpo_trl.envs import INFO_ANCHOR_KIND, INFO_TASK_TYPE, INFO_WON, EnvOutput, info_metrics
@@ -38,7 +39,9 @@ class StepColumns:
     step: list[int] = field(default_factory=list)  # t, 0-based
     anchor: list[Hashable] = field(default_factory=list)  # state the action was taken in
     observation: list[str] = field(default_factory=list)
-    prompt: list[Messages] = field(default_factory=list)  # the chat messages the answer was generated from
+    # The chat messages the answer was generated from (in conversation mode, the conversation so far, the answers as
+    # their text: the completion's prompt ids are what the model read)
+    prompt: list[Messages] = field(default_factory=list)
     completion: list[Completion] = field(default_factory=list)
     action: list[str] = field(default_factory=list)  # what the environment received
     valid: list[bool] = field(default_factory=list)  # the answer followed the <action> format
@@ -178,6 +181,7 @@ def collect_rollout(
     for episode, output in zip(episodes, current):
         _end_if_done(episode, output, pool.name)
     histories: list[list[Exchange]] = [[] for _ in current]
+    last_prompts: list[Prompt | None] = [None for _ in current]  # each episode's latest prompt
 
     turns = tqdm(range(max_env_steps), desc="rollout turns", leave=False, disable=not show_progress)
     for t in turns:
@@ -186,7 +190,7 @@ def collect_rollout(
         if busiest == 0:
             break
         turns.set_postfix(live=len(live))
-        prompts = [dialogue.prompt(start[i], current[i], histories[i], t) for i in live]
+        prompts = [_prompt(dialogue, start[i], current[i], histories[i], last_prompts[i], t) for i in live]
         tools = [dialogue.tools(start[i]) for i in live]
         num_prompts = busiest if equal_prompt_counts else max(1, len(live))
         tools += [None] * (num_prompts - len(prompts))
@@ -214,10 +218,11 @@ def collect_rollout(
             result, episode = results[i], episodes[i]
             rollout.steps.append(
                 group=episode.group, trajectory=i, step=t, anchor=current[i].anchor,
-                observation=current[i].observation, prompt=prompt, completion=completion,
+                observation=current[i].observation, prompt=prompt_messages(prompt), completion=completion,
                 action=parsed[i].action, valid=parsed[i].valid, reward=result.reward,
             )
-            histories[i].append(Exchange(current[i].observation, parsed[i], result))
+            histories[i].append(Exchange(current[i].observation, parsed[i], result, completion))
+            last_prompts[i] = prompt
             episode.length += 1
             episode.episode_return += result.reward
             episode.final_anchor = result.anchor
@@ -230,6 +235,17 @@ def collect_rollout(
             episode.done = episode.truncated = True
     rollout.episodes = episodes
     return rollout
+
+
+def _prompt(dialogue: Dialogue, start: EnvOutput, current: EnvOutput, history: list[Exchange], previous: Prompt | None,
+            step: int) -> Prompt:
+    """A step's prompt: written from messages with a window of history; in conversation mode (`history_length`
+    None) the first one so, then each the continuation of the `previous` prompt by its answer and what came back."""
+    if dialogue.history_length is not None or not history:
+        return dialogue.prompt(start, current, history, step)
+    past = history[-1]
+    turn = dialogue.turn(past, step)
+    return ContinuedPrompt(past.completion, turn, [*prompt_messages(previous), dialogue.reply(past), *turn])
 
 
 def _end_if_done(episode: Episode, output: EnvOutput, env_name: str) -> None:

@@ -7,6 +7,7 @@ import multiprocessing
 import os
 import textwrap
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -18,7 +19,8 @@ from trl import GRPOTrainer
 from gigpo_trl.advantages import GiGPOAdvantages, compute_gigpo_advantages
 from gigpo_trl.batch import loss_batch, rows_for_update
 from gigpo_trl.config import GiGPOConfig
-from gigpo_trl.dialogue import DUMMY_PROMPT, Completion, Dialogue, Messages, PromptTooLong, TextDialogue, Tools
+from gigpo_trl.conversation import ChatTurns
+from gigpo_trl.dialogue import DUMMY_PROMPT, Completion, ContinuedPrompt, Dialogue, Prompt, PromptTooLong, TextDialogue, Tools
 from gigpo_trl.dynamic_sampling import extra_task_rows, filter_by_return_std, sample_groups
 from gigpo_trl.env_pool import EnvPool
 from gigpo_trl.envs import TextEnv, env_factory
@@ -170,18 +172,22 @@ class GiGPOTrainer(GiGPOLossMixin, RunLogsMixin, GRPOTrainer):
             getattr(self.model.config, "max_position_embeddings", None),
             args.vllm_max_model_length if self.use_vllm else None, self.max_completion_length)
         self.environment_factory = environment_factory
+        history_length = args.history_shown(tool_environment=environment_factory is not None)
         if environment_factory is None:
             self.env = env if env is not None else args.env_name
             self.env_name = self.env if isinstance(self.env, str) else getattr(self.env, "__name__", type(self.env).__name__)
             if prompt_template is None:
                 prompt_template = load_template(args.prompt_template) if args.prompt_template else template_for(self.env_name)
-            self.dialogue: Dialogue = TextDialogue(prompt_template, args.history_length)
+            self.dialogue: Dialogue = TextDialogue(prompt_template, history_length)
         else:
             check_tool_chat_template(self.processing_class)
             self.env = functools.partial(TRLEnvironment, environment_factory, reward_funcs=reward_funcs,
                                          anchor=args.tool_anchor, max_steps=args.max_env_steps)
             self.env_name = getattr(environment_factory, "__name__", type(environment_factory).__name__)
-            self.dialogue = ToolCallDialogue(self.processing_class, args.history_length)
+            self.dialogue = ToolCallDialogue(self.processing_class, history_length)
+        # Conversation mode: every prompt after an episode's first continues the one before it, token for token
+        self.chat_turns = None if history_length is not None else self._chat_turns(
+            "tool" if environment_factory is not None else "user")
         self._setup_loss()
         self._pools: dict[str, EnvPool] = {}
         self._last_rollout_end: float | None = None  # of the latest training rollout
@@ -319,16 +325,12 @@ class GiGPOTrainer(GiGPOLossMixin, RunLogsMixin, GRPOTrainer):
             tasks = self._tasks(rows, pool.group_size, "train", round_)
         return self._play(pool, tasks, greedy=False)
 
-    def _generate_turn(self, prompts: list[Messages], tools: list[Tools | None]) -> list[Completion | PromptTooLong]:
-        """One batched generation over the prompts of one turn (each rendered with the tools it offers, if any),
-        through TRL's generation backends. A prompt of more than `prompt_token_limit` tokens is not generated from
-        (`PromptTooLong`; the dummy prompt takes its place in the call, which keeps every process's call alike)."""
-        if any(tools):
-            prompt_ids = [self.processing_class.apply_chat_template(
-                prompt, tools=prompt_tools or None, add_generation_prompt=True, tokenize=True, return_dict=True,
-                **self.chat_template_kwargs)["input_ids"] for prompt, prompt_tools in zip(prompts, tools)]
-        else:
-            prompt_ids, _, _ = self._tokenize_prompts(prompts)
+    def _generate_turn(self, prompts: list[Prompt], tools: list[Tools | None]) -> list[Completion | PromptTooLong]:
+        """One batched generation over the prompts of one turn (each rendered with the tools it offers, if any; a
+        conversation's continued prompt is extended by its new turn's ids, `ChatTurns`), through TRL's generation
+        backends. A prompt of more than `prompt_token_limit` tokens is not generated from (`PromptTooLong`; the dummy
+        prompt takes its place in the call, which keeps every process's call alike)."""
+        prompt_ids = self._prompt_ids(prompts, tools)
         too_long = over_long_prompts(prompt_ids, self.prompt_token_limit)
         if too_long:
             dummy = self._tokenize_prompts([DUMMY_PROMPT])[0][0]
@@ -340,6 +342,47 @@ class GiGPOTrainer(GiGPOLossMixin, RunLogsMixin, GRPOTrainer):
         )
         return [PromptTooLong(too_long[k], self.prompt_token_limit) if k in too_long else completion
                 for k, completion in enumerate(completions)]
+
+    def _prompt_ids(self, prompts: list[Prompt], tools: list[Tools | None]) -> list[list[int]]:
+        """The token ids of a turn's prompts: chat messages rendered by the template (with their tools), continued
+        prompts as their previous ids and their new turn's."""
+        written = [k for k, prompt in enumerate(prompts) if not isinstance(prompt, ContinuedPrompt)]
+        if any(tools):
+            rendered = [self.processing_class.apply_chat_template(
+                prompts[k], tools=tools[k] or None, add_generation_prompt=True, tokenize=True, return_dict=True,
+                chat_template=self.chat_template, **self.chat_template_kwargs)["input_ids"] for k in written]
+        else:
+            rendered = self._tokenize_prompts([prompts[k] for k in written])[0] if written else []
+        ids: dict[int, list[int]] = {k: list(r) for k, r in zip(written, rendered)}
+        return [ids[k] if k in ids else self.chat_turns.prompt_ids(prompt) for k, prompt in enumerate(prompts)]
+
+    def _chat_turns(self, turn_role: str) -> ChatTurns:
+        """Conversation mode's turns (`gigpo_trl.conversation`) in the chat template prompts are rendered with. A
+        template that is not prefix-preserving is replaced by TRL's training template of its family where TRL has
+        one (as TRL's tool loop does); otherwise refused, naming the problem."""
+        def render(messages: list, add_generation_prompt: bool) -> list[int]:
+            return list(self.processing_class.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False,
+                chat_template=self.chat_template, **self.chat_template_kwargs))
+
+        turns = ChatTurns(render, frozenset(self.eos_token_ids))
+        try:
+            turns.check(turn_role)
+        except ValueError as refused:
+            from trl.chat_template_utils import get_training_chat_template  # noqa: PLC0415
+
+            try:
+                training_template = get_training_chat_template(self.processing_class)
+            except ValueError:
+                training_template = None
+            if training_template is None:
+                raise refused from None
+            self.chat_template = training_template
+            turns.check(turn_role)
+            warnings.warn("conversation mode: the chat template is not prefix-preserving; prompts are rendered with TRL's "
+                          "training template of its family (trl.chat_template_utils.get_training_chat_template)",
+                          stacklevel=3)
+        return turns
 
     def _dummy_completion(self) -> Completion:
         """A stand-in sample (zero loss weight) for a process without a sample for the update: its environments all

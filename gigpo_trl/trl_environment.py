@@ -336,16 +336,18 @@ class TRLEnvironment(BaseTextEnv):
 
 class ToolCallDialogue:
     """The rollout's side of `TRLEnvironment`: a step's prompt is the row's messages (with what `reset` returned)
-    and the last `history_length` (assistant, tool) exchanges, offered the environment's tools; a reply becomes the
-    assistant message TRL's `parse_response` reads from its tokens, sent to the environment as JSON. A reply that
-    opens a tool call TRL cannot parse breaks the format (invalid): it has no tool call, so it ends the episode.
+    and the last `history_length` (assistant, tool) exchanges, offered the environment's tools, or the whole
+    conversation (`history_length` None, as TRL plays it: each prompt continues the previous one's ids with the
+    answer as generated and the tool messages as the next turn); a reply becomes the assistant message TRL's
+    `parse_response` reads from its tokens, sent to the environment as JSON. A reply that opens a tool call TRL cannot
+    parse breaks the format (invalid): it has no tool call, so it ends the episode.
 
     Args:
         processing_class: the tokenizer, with TRL's response parser set (`check_tool_chat_template`).
-        history_length: K, the past exchanges shown.
+        history_length: K, the past exchanges shown; None, the whole conversation.
     """
 
-    def __init__(self, processing_class: Any, history_length: int = 2) -> None:
+    def __init__(self, processing_class: Any, history_length: int | None = None) -> None:
         self.tokenizer = getattr(processing_class, "tokenizer", processing_class)
         self.history_length = history_length
         response_template = getattr(self.tokenizer, "response_template", None) or {}
@@ -353,9 +355,14 @@ class ToolCallDialogue:
 
     def prompt(self, start: EnvOutput, current: EnvOutput, history: Sequence[Exchange], step: int) -> Messages:
         shown = history[len(history) - self.history_length:] if self.history_length else []
-        exchanges = [message for past in shown
-                     for message in (json.loads(past.action.action), *past.result.info.get(INFO_TOOL_MESSAGES, []))]
+        exchanges = [message for past in shown for message in (self.reply(past), *self.turn(past, step))]
         return [*start.info[INFO_PROMPT], *exchanges]
+
+    def reply(self, past: Exchange) -> dict[str, Any]:
+        return json.loads(past.action.action)
+
+    def turn(self, past: Exchange, step: int) -> Messages:
+        return list(past.result.info.get(INFO_TOOL_MESSAGES, []))
 
     def tools(self, start: EnvOutput) -> Tools:
         return start.info[INFO_TOOLS]

@@ -8,7 +8,7 @@ import json
 import random
 import re
 
-from gigpo_trl.dialogue import Completion
+from gigpo_trl.dialogue import Completion, prompt_messages
 from gigpo_trl.trainer import GiGPOTrainer
 
 
@@ -43,7 +43,7 @@ class ScriptedTrainer(GiGPOTrainer):
         eos = self._tokenizer.eos_token_id
         completions = []
         for position, (prompt, real) in enumerate(zip(prompts, generated)):
-            text = prompt[-1]["content"]
+            text = prompt_messages(prompt)[-1]["content"]
             answer = self.corridor(text, position) if "You are in cell" in text else numbered_choice_answer(text, position)
             ids = self._tokenizer(answer, add_special_tokens=False)["input_ids"] + [eos]
             completions.append(Completion(real.prompt_ids, ids, answer))
@@ -77,7 +77,7 @@ class ScriptedToolTrainer(GiGPOTrainer):
         eos = self._tokenizer.eos_token_id
         completions = []
         for position, (prompt, real) in enumerate(zip(prompts, generated)):
-            answer = self.answer(prompt, position) if tools[position] else "."
+            answer = self.answer(prompt_messages(prompt), position) if tools[position] else "."
             ids = self._tokenizer(answer, add_special_tokens=False)["input_ids"] + [eos]
             completions.append(Completion(real.prompt_ids, ids, answer))
         return completions
