@@ -195,6 +195,37 @@ def test_smollm2s_log_probs_entropies_and_gradients_packed_are_the_plain_paths(s
                         plain_outputs(model, input_ids, attention_mask, 5))
 
 
+def conversation_rows(steps: int, trajectories: int, end_of_turn: int = 9) -> list[tuple[list[int], list[int]]]:
+    """The step samples of conversations (`history_length` conversation): step t's prompt is step t-1's prompt, its
+    answer as generated (closed by `end_of_turn` where it was cut short, without one) and the next turn's ids; every
+    trajectory starts with `INSTRUCTIONS`. Answers of 2-5 tokens, every third cut short."""
+    rows = []
+    for trajectory in range(trajectories):
+        prompt = [*INSTRUCTIONS, 100 + trajectory]
+        for t in range(steps):
+            cut = t % 3 == 2
+            answer = [200 + (7 * t + trajectory + k) % 50 for k in range(5 if cut else 1 + t % 4)]
+            answer = answer if cut else [*answer, end_of_turn]
+            rows.append((prompt, answer))
+            prompt = [*prompt, *answer, *([end_of_turn] if cut else []), 300 + t % 40, 350 + trajectory]
+    return rows
+
+
+def test_a_conversations_rows_are_forwarded_as_one_sequence_each_with_the_plain_paths_outputs(tiny_model_path):
+    # 2 conversations of 12 steps: each row's prompt extends the previous row's prompt and answer, so the trie is one
+    # path per conversation (the instructions shared): every distinct token forwarded once
+    rows = conversation_rows(steps=12, trajectories=2)
+    model = fused_model(tiny_model_path, "sdpa")
+    input_ids, attention_mask = padded(rows)
+    packed = pack_rows(input_ids, attention_mask, 5, capacity=10_000)
+    last = [prompt + answer for prompt, answer in (rows[11], rows[23])]
+    # each conversation's tokens but its last (whose hidden state scores nothing), the instructions once
+    assert packed.tokens == sum(len(sequence) - 1 for sequence in last) - len(INSTRUCTIONS)
+    assert packed.tokens * 5 < int(attention_mask.sum())  # the rows hold each token many times over
+    assert_same_outputs(packed_outputs(model, input_ids, attention_mask, 5, capacity=10_000),
+                        plain_outputs(model, input_ids, attention_mask, 5))
+
+
 def test_a_model_packing_cannot_be_exact_for_is_named_with_the_reason(tiny_model_path):
     config = AutoConfig.from_pretrained(tiny_model_path)
     config._attn_implementation = "sdpa"
