@@ -15,6 +15,7 @@ import torch
 from accelerate.utils import gather_object
 from datasets import Dataset
 from trl import GRPOTrainer
+from trl.chat_template_utils import get_training_chat_template
 
 from gigpo_trl.advantages import GiGPOAdvantages, compute_gigpo_advantages
 from gigpo_trl.batch import loss_batch, rows_for_update
@@ -369,8 +370,6 @@ class GiGPOTrainer(GiGPOLossMixin, RunLogsMixin, GRPOTrainer):
         try:
             turns.check(turn_role)
         except ValueError as refused:
-            from trl.chat_template_utils import get_training_chat_template  # noqa: PLC0415
-
             try:
                 training_template = get_training_chat_template(self.processing_class)
             except ValueError:
