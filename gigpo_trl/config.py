@@ -38,6 +38,8 @@ TOOL_ANCHOR_MODES = ("state", "tool_calls")
 DEFAULT_MAX_ENV_STEPS = 50
 # history_length "auto": the window of text environments (environment_factory classes play the whole conversation)
 DEFAULT_HISTORY_LENGTH = 2
+# What a conversation does when its next prompt would not fit the model's context.
+CONTEXT_OVERFLOW_MODES = ("truncate", "drop_oldest")
 
 
 @dataclass
@@ -123,6 +125,25 @@ class GiGPOConfig(GRPOConfig):
                   "the previous one's token ids, its answer as generated and what came back; 'auto' (default), the "
                   "whole conversation for TRL environment_factory classes (as TRL plays them) and K=2 for text "
                   "environments."},
+    )
+    context_overflow: str = field(
+        default="truncate",
+        metadata={"help": "Conversation mode (history_length 'conversation'): what an episode does when its next prompt "
+                  "would not fit the model's context (max_position_embeddings, or vllm_max_model_length, less "
+                  "max_completion_length). 'truncate' (default): the episode ends there, truncated, with the reason in "
+                  "its trajectory record (logged as env/context_overflow_share). 'drop_oldest': the oldest whole "
+                  "exchanges (an answer and what came back) are dropped until it fits, the system message, task and "
+                  "first observation kept; that prompt is rendered from its messages once, and the turns after it "
+                  "extend it token for token (logged as env/context_trimmed_share: the step samples whose prompt "
+                  "dropped exchanges). An episode whose first prompt and latest exchange do not fit still ends "
+                  "truncated.", "choices": list(CONTEXT_OVERFLOW_MODES)},
+    )
+    drop_oldest_target: float = field(
+        default=0.75,
+        metadata={"help": "With context_overflow 'drop_oldest': the share of the prompt's room the dropped exchanges "
+                  "bring it down to (the fewest that fit the room where none reaches it). Below 1, the turns after a "
+                  "drop extend that prompt token for token for a while, instead of each dropping one more exchange "
+                  "and being rendered anew."},
     )
     prompt_template: str | None = field(
         default=None,
@@ -338,6 +359,10 @@ class GiGPOConfig(GRPOConfig):
             problems.append(f"log_trajectories={self.log_trajectories} must be >= 0")
         if self.tool_anchor not in TOOL_ANCHOR_MODES:
             problems.append(f"tool_anchor={self.tool_anchor!r} is not one of {TOOL_ANCHOR_MODES}")
+        if self.context_overflow not in CONTEXT_OVERFLOW_MODES:
+            problems.append(f"context_overflow={self.context_overflow!r} is not one of {CONTEXT_OVERFLOW_MODES}")
+        if not 0.0 < self.drop_oldest_target <= 1.0:
+            problems.append(f"drop_oldest_target={self.drop_oldest_target} must be in (0, 1]")
         if isinstance(self.history_length, int) and self.history_length < 0:
             problems.append(f"history_length={self.history_length} must be >= 0 (or 'conversation', 'auto')")
         if self.step_timeout <= 0:

@@ -38,6 +38,9 @@ class Completion:
     completion_ids: list[int]
     text: str
     logprobs: list[float] | None = None
+    # Conversation mode's context management (`context_overflow` 'drop_oldest'): the oldest exchanges dropped from
+    # the conversation for this answer's prompt to fit the model's context (`without_oldest_exchanges`).
+    dropped_exchanges: int = 0
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,28 @@ Prompt = Messages | ContinuedPrompt
 def prompt_messages(prompt: Prompt) -> Messages:
     """A prompt's chat messages (a continued prompt's: the whole conversation so far)."""
     return prompt.messages if isinstance(prompt, ContinuedPrompt) else prompt
+
+def without_oldest_exchanges(messages: Messages, dropped: int) -> Messages:
+    """A conversation less its `dropped` oldest exchanges: an exchange is an assistant message and the messages that
+    follow it up to the next one (what came back: the next observation, or the tool messages). The messages before
+    the first answer (the system message, the task and the first observation) are kept.
+
+    Raises:
+        ValueError: `dropped` is negative, or would drop the conversation's latest exchange.
+    """
+    answers = [k for k, message in enumerate(messages) if message.get("role") == "assistant"]
+    if not 0 <= dropped < max(len(answers), 1):
+        raise ValueError(f"cannot drop {dropped} of the {len(answers)} exchanges of a conversation: its latest one "
+                         "(the answer before the prompt and what came back) is kept")
+    if dropped == 0:
+        return list(messages)
+    return [*messages[: answers[0]], *messages[answers[dropped]:]]
+
+
+def exchange_count(messages: Messages) -> int:
+    """The exchanges of a conversation (`without_oldest_exchanges`): its assistant messages."""
+    return sum(message.get("role") == "assistant" for message in messages)
+
 
 # (prompts, the tools each offers or None) -> one `Completion` (or `PromptTooLong`) per prompt
 TurnGenerator = Callable[[list[Prompt], list[Tools | None]], list[Completion | PromptTooLong]]

@@ -20,6 +20,8 @@ EPISODE_LENGTH_MEAN = "env/episode_length_mean"
 TRUNCATED_SHARE = "env/truncated_share"
 ENV_ERROR_SHARE = "env/env_error_share"
 CONTEXT_OVERFLOW_SHARE = "env/context_overflow_share"  # ended as a step's prompt would not fit the model's context
+# step samples whose prompt dropped the conversation's oldest exchanges to fit the context (context_overflow 'drop_oldest')
+CONTEXT_TRIMMED_SHARE = "env/context_trimmed_share"
 INVALID_ACTION_RATE = "env/invalid_action_rate"
 STEP_SAMPLES = "env/step_samples"
 GROUP_RETURN_STD = "env/group_return_std"
@@ -30,7 +32,8 @@ PASS_AT_PREFIX = "env/pass@"  # env/pass@k (and env/pass@k/<task type>): an eval
 # The names above, which an environment's own metrics (`info["metrics"]`, logged as env/<name>) may not take.
 TRAINER_ENV_METRICS = (
     SUCCESS_RATE, RETURN_MEAN, RETURN_STD, EPISODE_LENGTH_MEAN, TRUNCATED_SHARE, ENV_ERROR_SHARE, CONTEXT_OVERFLOW_SHARE,
-    INVALID_ACTION_RATE, STEP_SAMPLES, GROUP_RETURN_STD, PANEL_TASKS, PANEL_UNPLAYED, PANEL_UNPLAYED_TASKS,
+    CONTEXT_TRIMMED_SHARE, INVALID_ACTION_RATE, STEP_SAMPLES, GROUP_RETURN_STD, PANEL_TASKS, PANEL_UNPLAYED,
+    PANEL_UNPLAYED_TASKS,
 )
 
 # GiGPO's step groups and advantages (`gigpo_trl.advantages.StepGroupStats`, `gigpo_trl.metrics`).

@@ -24,10 +24,10 @@ from gigpo_trl.advantages import GiGPOAdvantages, StepGroupStats
 from gigpo_trl.dynamic_sampling import SamplingCounts, StdFilterCounts
 from gigpo_trl.loops import EpisodeLoops, LoopCounts
 from gigpo_trl.metric_names import (
-    ADVANTAGES_S, CONTEXT_OVERFLOW_SHARE, ENV_ERROR_SHARE, ENV_PREFIX, ENV_S, EPISODE_LENGTH_MEAN, FRAC_REWARD_ZERO_STD,
-    GENERATION_S, GROUP_RETURN_STD, INVALID_ACTION_RATE, NONZERO_ADVANTAGE_SHARE, NUM_ROWS, PANEL_TASKS, PANEL_UNPLAYED,
-    PASS_AT_PREFIX, RETURN_MEAN, RETURN_STD, ROLLOUT_S, STEP_SAMPLES, SUCCESS_RATE, TOKENS_PER_S, TRUNCATED_SHARE,
-    UPDATE_S, UPDATE_STEP_SAMPLES,
+    ADVANTAGES_S, CONTEXT_OVERFLOW_SHARE, CONTEXT_TRIMMED_SHARE, ENV_ERROR_SHARE, ENV_PREFIX, ENV_S, EPISODE_LENGTH_MEAN,
+    FRAC_REWARD_ZERO_STD, GENERATION_S, GROUP_RETURN_STD, INVALID_ACTION_RATE, NONZERO_ADVANTAGE_SHARE, NUM_ROWS,
+    PANEL_TASKS, PANEL_UNPLAYED, PASS_AT_PREFIX, RETURN_MEAN, RETURN_STD, ROLLOUT_S, STEP_SAMPLES, SUCCESS_RATE,
+    TOKENS_PER_S, TRUNCATED_SHARE, UPDATE_S, UPDATE_STEP_SAMPLES,
 )
 from gigpo_trl.rollout import Episode, Rollout
 
@@ -103,6 +103,7 @@ class RolloutSummary:
     truncated: int
     env_errors: int  # played episodes ended by their environment's failure
     context_overflows: int  # episodes ended as a step's prompt would not fit the model's context
+    context_trimmed: int  # step samples whose prompt dropped the conversation's oldest exchanges to fit it
     task_groups: int
     equal_return_groups: int  # task groups whose copies all got the same return: no episode advantage
     spread_groups: int  # task groups of two trajectories or more
@@ -157,6 +158,7 @@ class RolloutSummary:
             truncated=sum(e.truncated for e in episodes),
             env_errors=sum(e.env_error is not None for e in episodes),
             context_overflows=sum(e.context_overflow is not None for e in episodes),
+            context_trimmed=sum(c.dropped_exchanges > 0 for c in steps.completion),
             task_groups=len(returns_by_group),
             equal_return_groups=sum(bool(np.isclose(np.std(group), 0.0)) for group in returns_by_group.values()),
             spread_groups=sum(len(group) > 1 for group in returns_by_group.values()),
@@ -209,6 +211,7 @@ def rollout_metrics(summaries: Sequence[RolloutSummary], update_seconds: float |
         TRUNCATED_SHARE: total("truncated") / max(episodes, 1),
         ENV_ERROR_SHARE: (total("env_errors") + total("unplayed")) / max(episodes + total("unplayed"), 1),
         CONTEXT_OVERFLOW_SHARE: total("context_overflows") / max(episodes, 1),
+        CONTEXT_TRIMMED_SHARE: total("context_trimmed") / max(steps, 1),
         INVALID_ACTION_RATE: total("invalid") / max(steps, 1),
         STEP_SAMPLES: steps,
         **step_groups,

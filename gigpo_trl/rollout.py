@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 
 from gigpo_trl.dialogue import (
     DUMMY_PROMPT, Completion, ContinuedPrompt, Dialogue, Exchange, Messages, Prompt, PromptTooLong, TextDialogue,
-    TurnGenerator, prompt_messages,
+    TurnGenerator, prompt_messages, without_oldest_exchanges,
 )
 from gigpo_trl.env_pool import INFO_ENV_ERROR, EnvPool
 from gigpo_trl.envs import INFO_ANCHOR_KIND, INFO_TASK_TYPE, INFO_WON, EnvOutput, info_metrics
@@ -181,7 +181,7 @@ def collect_rollout(
     for episode, output in zip(episodes, current):
         _end_if_done(episode, output, pool.name)
     histories: list[list[Exchange]] = [[] for _ in current]
-    last_prompts: list[Prompt | None] = [None for _ in current]  # each episode's latest prompt
+    shown: list[Messages] = [[] for _ in current]  # the messages of each episode's latest prompt
 
     turns = tqdm(range(max_env_steps), desc="rollout turns", leave=False, disable=not show_progress)
     for t in turns:
@@ -190,7 +190,7 @@ def collect_rollout(
         if busiest == 0:
             break
         turns.set_postfix(live=len(live))
-        prompts = [_prompt(dialogue, start[i], current[i], histories[i], last_prompts[i], t) for i in live]
+        prompts = [_prompt(dialogue, start[i], current[i], histories[i], shown[i], t) for i in live]
         tools = [dialogue.tools(start[i]) for i in live]
         num_prompts = busiest if equal_prompt_counts else max(1, len(live))
         tools += [None] * (num_prompts - len(prompts))
@@ -216,13 +216,14 @@ def collect_rollout(
 
         for i, prompt, completion in playing:
             result, episode = results[i], episodes[i]
+            # what the model was shown: less the exchanges the generator dropped for the prompt to fit the context
+            shown[i] = without_oldest_exchanges(prompt_messages(prompt), completion.dropped_exchanges)
             rollout.steps.append(
                 group=episode.group, trajectory=i, step=t, anchor=current[i].anchor,
-                observation=current[i].observation, prompt=prompt_messages(prompt), completion=completion,
+                observation=current[i].observation, prompt=shown[i], completion=completion,
                 action=parsed[i].action, valid=parsed[i].valid, reward=result.reward,
             )
             histories[i].append(Exchange(current[i].observation, parsed[i], result, completion))
-            last_prompts[i] = prompt
             episode.length += 1
             episode.episode_return += result.reward
             episode.final_anchor = result.anchor
@@ -237,15 +238,16 @@ def collect_rollout(
     return rollout
 
 
-def _prompt(dialogue: Dialogue, start: EnvOutput, current: EnvOutput, history: list[Exchange], previous: Prompt | None,
+def _prompt(dialogue: Dialogue, start: EnvOutput, current: EnvOutput, history: list[Exchange], shown: Messages,
             step: int) -> Prompt:
     """A step's prompt: written from messages with a window of history; in conversation mode (`history_length`
-    None) the first one so, then each the continuation of the `previous` prompt by its answer and what came back."""
+    None) the first one so, then each the continuation of the previous prompt (its messages `shown`) by its answer
+    and what came back."""
     if dialogue.history_length is not None or not history:
         return dialogue.prompt(start, current, history, step)
     past = history[-1]
     turn = dialogue.turn(past, step)
-    return ContinuedPrompt(past.completion, turn, [*prompt_messages(previous), dialogue.reply(past), *turn])
+    return ContinuedPrompt(past.completion, turn, [*shown, dialogue.reply(past), *turn])
 
 
 def _end_if_done(episode: Episode, output: EnvOutput, env_name: str) -> None:

@@ -21,7 +21,10 @@ from gigpo_trl.advantages import GiGPOAdvantages, compute_gigpo_advantages
 from gigpo_trl.batch import loss_batch, rows_for_update
 from gigpo_trl.config import GiGPOConfig
 from gigpo_trl.conversation import ChatTurns
-from gigpo_trl.dialogue import DUMMY_PROMPT, Completion, ContinuedPrompt, Dialogue, Prompt, PromptTooLong, TextDialogue, Tools
+from gigpo_trl.dialogue import (
+    DUMMY_PROMPT, Completion, ContinuedPrompt, Dialogue, Messages, Prompt, PromptTooLong, TextDialogue, Tools, exchange_count,
+    without_oldest_exchanges,
+)
 from gigpo_trl.dynamic_sampling import extra_task_rows, filter_by_return_std, sample_groups
 from gigpo_trl.env_pool import EnvPool
 from gigpo_trl.envs import TextEnv, env_factory
@@ -174,6 +177,10 @@ class GiGPOTrainer(GiGPOLossMixin, RunLogsMixin, GRPOTrainer):
             args.vllm_max_model_length if self.use_vllm else None, self.max_completion_length)
         self.environment_factory = environment_factory
         history_length = args.history_shown(tool_environment=environment_factory is not None)
+        if args.context_overflow == "drop_oldest" and history_length is not None:
+            raise ValueError(f"context_overflow='drop_oldest' drops the oldest exchanges of a whole conversation, but "
+                             f"this run shows a window of {history_length} past exchanges (history_length="
+                             f"{args.history_length!r}): set history_length='conversation', or a smaller window")
         if environment_factory is None:
             self.env = env if env is not None else args.env_name
             self.env_name = self.env if isinstance(self.env, str) else getattr(self.env, "__name__", type(self.env).__name__)
@@ -333,6 +340,13 @@ class GiGPOTrainer(GiGPOLossMixin, RunLogsMixin, GRPOTrainer):
         prompt takes its place in the call, which keeps every process's call alike)."""
         prompt_ids = self._prompt_ids(prompts, tools)
         too_long = over_long_prompts(prompt_ids, self.prompt_token_limit)
+        dropped: dict[int, int] = {}
+        if self.args.context_overflow == "drop_oldest":
+            for k in [k for k in too_long if isinstance(prompts[k], ContinuedPrompt)]:
+                fitted = self._fit_context(prompts[k].messages, tools[k])
+                if fitted is not None:
+                    dropped[k], prompt_ids[k] = fitted
+                    del too_long[k]
         if too_long:
             dummy = self._tokenize_prompts([DUMMY_PROMPT])[0][0]
             prompt_ids = [dummy if k in too_long else ids for k, ids in enumerate(prompt_ids)]
@@ -341,8 +355,25 @@ class GiGPOTrainer(GiGPOLossMixin, RunLogsMixin, GRPOTrainer):
             prompt_ids, completion_ids, logprobs, eos_token_id=self.eos_token_ids[0],
             decode=lambda ids: self._tokenizer.decode(ids, skip_special_tokens=True),
         )
+        for k, count in dropped.items():
+            completions[k].dropped_exchanges = count
         return [PromptTooLong(too_long[k], self.prompt_token_limit) if k in too_long else completion
                 for k, completion in enumerate(completions)]
+
+    def _fit_context(self, messages: Messages, tools: Tools | None) -> tuple[int, list[int]] | None:
+        """`context_overflow='drop_oldest'`: the fewest oldest exchanges dropped from a conversation for its prompt
+        to take at most `drop_oldest_target` of the room a prompt has (the fewest that fit the room where none
+        does), and that prompt's ids, rendered from its messages; None when even its first messages and its latest
+        exchange do not fit."""
+        target = int(self.args.drop_oldest_target * self.prompt_token_limit)
+        fitting = None
+        for count in range(1, exchange_count(messages)):
+            ids = self._prompt_ids([without_oldest_exchanges(messages, count)], [tools])[0]
+            if len(ids) <= target:
+                return count, ids
+            if fitting is None and len(ids) <= self.prompt_token_limit:
+                fitting = count, ids
+        return fitting
 
     def _prompt_ids(self, prompts: list[Prompt], tools: list[Tools | None]) -> list[list[int]]:
         """The token ids of a turn's prompts: chat messages rendered by the template (with their tools), continued

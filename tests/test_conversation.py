@@ -10,12 +10,12 @@ from datasets import Dataset
 from scripted_policy import ScriptedToolTrainer
 from toy_tool_envs import IncrementEnv
 from trainer_helpers import cpu_config
-from transformers import AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import chat_template_utils
 
 from gigpo_trl.config import GiGPOConfig
 from gigpo_trl.conversation import ChatTurns
-from gigpo_trl.dialogue import Completion, ContinuedPrompt
+from gigpo_trl.dialogue import Completion, ContinuedPrompt, exchange_count, without_oldest_exchanges
 from gigpo_trl.models import EMBEDDED_MODEL, resolve_model
 from gigpo_trl.tasks import task_dataset
 from gigpo_trl.trainer import GiGPOTrainer
@@ -167,12 +167,8 @@ def test_history_length_refuses_what_is_neither_a_window_nor_a_mode(tmp_path):
         GiGPOConfig(str(tmp_path), history_length=-1, report_to=[])
 
 
-def test_a_conversation_run_generates_from_and_trains_on_each_prompt_extended_by_the_answer_before_it(
-        tmp_path, tiny_model_path):
-    # Answers of at most 6 tokens from a random model: most are cut short, some end with the end-of-turn token
-    config = cpu_config(tmp_path, env_name="corridor", max_steps=1, max_env_steps=5, max_completion_length=6,
-                        temperature=1.0, history_length="conversation")
-    trainer = GiGPOTrainer(tiny_model_path, args=config, train_dataset=task_dataset(range(4)))
+def prompts_generated_from(trainer: GiGPOTrainer) -> list[list[int]]:
+    """The prompt ids the trainer's generation is called with from now on, in order (the list fills as it runs)."""
     generated: list[list[int]] = []
     generate = trainer._generate_single_turn
 
@@ -181,6 +177,16 @@ def test_a_conversation_run_generates_from_and_trains_on_each_prompt_extended_by
         return generate(prompt_ids, *args, **kwargs)
 
     trainer._generate_single_turn = recording_generate
+    return generated
+
+
+def test_a_conversation_run_generates_from_and_trains_on_each_prompt_extended_by_the_answer_before_it(
+        tmp_path, tiny_model_path):
+    # Answers of at most 6 tokens from a random model: most are cut short, some end with the end-of-turn token
+    config = cpu_config(tmp_path, env_name="corridor", max_steps=1, max_env_steps=5, max_completion_length=6,
+                        temperature=1.0, history_length="conversation")
+    trainer = GiGPOTrainer(tiny_model_path, args=config, train_dataset=task_dataset(range(4)))
+    generated = prompts_generated_from(trainer)
     trainer.train()
     trainer.close_environments()
     steps = trainer.last_rollout.steps
@@ -206,3 +212,97 @@ def test_trl_environment_classes_play_the_whole_conversation_by_default_each_too
     for _, _, appended in continued:
         text = trainer.processing_class.decode(appended)
         assert "<tool_response>" in text and "Counter is" in text  # the tool's result, as the next turn
+
+
+def test_dropping_the_oldest_exchanges_keeps_the_first_messages_the_latest_exchange_and_whole_tool_calls():
+    head = [{"role": "system", "content": "s"}, {"role": "user", "content": "task"}]
+    call = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "f"}}]}
+    exchanges = [[{"role": "assistant", "content": "a0"}, {"role": "user", "content": "o1"}],
+                 [call, {"role": "tool", "name": "f", "content": "r1"}, {"role": "tool", "name": "f", "content": "r2"}],
+                 [{"role": "assistant", "content": "a2"}, {"role": "user", "content": "o3"}]]
+    messages = [*head, *(message for exchange in exchanges for message in exchange)]
+    assert exchange_count(messages) == 3
+    assert without_oldest_exchanges(messages, 0) == messages
+    assert without_oldest_exchanges(messages, 1) == [*head, *exchanges[1], *exchanges[2]]
+    assert without_oldest_exchanges(messages, 2) == [*head, *exchanges[2]]
+    with pytest.raises(ValueError, match="cannot drop 3 of the 3 exchanges"):
+        without_oldest_exchanges(messages, 3)
+    with pytest.raises(ValueError, match="cannot drop -1"):
+        without_oldest_exchanges(messages, -1)
+
+
+def _corridor_dropping_exchanges(tmp_path, tiny_model_path, *, context: int, max_env_steps: int) -> GiGPOTrainer:
+    """A trainer of the tiny model, its context cut to `context` tokens, on corridor's whole conversation with
+    `context_overflow='drop_oldest'`: 4 tasks x 2 copies, random answers cut at 6 tokens."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    model.config.max_position_embeddings = context
+    config = cpu_config(tmp_path, env_name="corridor", max_steps=1, max_env_steps=max_env_steps, max_completion_length=6,
+                        temperature=1.0, history_length="conversation", context_overflow="drop_oldest",
+                        env_processes=False, disable_tqdm=True)
+    return GiGPOTrainer(model, args=config, processing_class=AutoTokenizer.from_pretrained(tiny_model_path),
+                        train_dataset=task_dataset(range(4)))
+
+
+def test_a_conversation_that_outgrows_the_context_drops_its_oldest_exchanges_and_goes_on_token_for_token(
+        tmp_path, tiny_model_path):
+    # corridor's conversation grows by about 135 tokens a turn from a first prompt of 180 (answers cut at 6 tokens): a
+    # context of 606 leaves prompts 600 tokens and holds 4 of them; the 5th does not fit and drops the fewest oldest
+    # exchanges that bring its rendering to the target of 450 (0.75 of the room), the turns after it extend that one
+    # until the next does not fit
+    trainer = _corridor_dropping_exchanges(tmp_path, tiny_model_path, context=606, max_env_steps=8)
+    tokenizer = trainer.processing_class
+    generated = prompts_generated_from(trainer)
+    trainer.train()
+    trainer.close_environments()
+
+    def rendered(messages):
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+
+    assert trainer.prompt_token_limit == 600 and max(map(len, generated)) <= 600
+    rollout = trainer.last_rollout
+    assert all(episode.length == 8 and episode.context_overflow is None for episode in rollout.episodes)
+    steps = rollout.steps
+    trimmed = [row for row, completion in enumerate(steps.completion) if completion.dropped_exchanges]
+    for trajectory in set(steps.trajectory):
+        rows = steps.rows_of(trajectory)
+        assert any(row in trimmed for row in rows)  # every episode outgrew the context at least once
+        first = steps.prompt[rows[0]]
+        for before, after in zip(rows, rows[1:]):
+            previous, now, shown = steps.completion[before], steps.completion[after], steps.prompt[after]
+            assert shown[: len(first)] == first  # the system message, the task and the first observation are kept
+            latest = max(k for k, message in enumerate(shown) if message["role"] == "assistant")
+            whole = [*steps.prompt[before], *shown[latest:]]  # the conversation before any drop
+            continued = trainer.chat_turns.prompt_ids(ContinuedPrompt(previous, shown[latest + 1:], whole))
+            if after in trimmed:  # it did not fit: the fewest oldest exchanges dropped to reach the target, rendered once
+                dropped = now.dropped_exchanges
+                assert len(continued) > 600
+                assert shown == without_oldest_exchanges(whole, dropped)
+                assert now.prompt_ids == rendered(shown) and len(now.prompt_ids) <= 450
+                assert dropped == 1 or len(rendered(without_oldest_exchanges(whole, dropped - 1))) > 450
+            else:  # it fits: the previous prompt and answer extended token for token
+                assert shown == whole and now.prompt_ids == continued
+    log = next(entry for entry in trainer.state.log_history if "env/context_trimmed_share" in entry)
+    assert log["env/context_trimmed_share"] == pytest.approx(len(trimmed) / len(steps))
+    assert log["env/context_overflow_share"] == 0.0
+
+
+def test_a_conversation_whose_first_messages_and_latest_exchange_do_not_fit_still_ends_truncated(
+        tmp_path, tiny_model_path):
+    # a room of 300 tokens holds corridor's first prompt (180) but not it with one exchange (about 315): nothing can
+    # be dropped, so the episode ends at step 1 as under 'truncate', its reason recorded
+    trainer = _corridor_dropping_exchanges(tmp_path, tiny_model_path, context=306, max_env_steps=4)
+    with pytest.warns(UserWarning, match="env/context_overflow_share"):
+        trainer.train()
+    trainer.close_environments()
+    episodes = trainer.last_rollout.episodes
+    assert all(episode.length == 1 and episode.context_overflow.startswith("the prompt of step 1 ") for episode in episodes)
+    assert not any(completion.dropped_exchanges for completion in trainer.last_rollout.steps.completion)
+
+
+def test_dropping_exchanges_is_refused_for_a_window_and_an_unknown_mode_by_name(tmp_path, tiny_model_path):
+    config = cpu_config(tmp_path, env_name="corridor", context_overflow="drop_oldest")  # text environments: a window of 2
+    with pytest.raises(ValueError, match="context_overflow='drop_oldest' drops the oldest exchanges of a whole "
+                       "conversation, but this run shows a window of 2"):
+        GiGPOTrainer(tiny_model_path, args=config, train_dataset=task_dataset(range(4)))
+    with pytest.raises(ValueError, match="context_overflow='shrink' is not one of"):
+        cpu_config(tmp_path, context_overflow="shrink")
