@@ -221,6 +221,18 @@ class GiGPOConfig(GRPOConfig):
                   "for (an attention that takes no 4-D mask, non-rotary positions, sliding windows, vision inputs). "
                   "max_step_samples_per_micro_batch still counts rows. False: every row forwarded whole (TRL's path)."},
     )
+    generation_prefix_cache: bool = field(
+        default=True,
+        metadata={"help": "Generation with transformers (not vLLM, whose prefix caching does the same): keep the keys "
+                  "and values of the prompt tokens forwarded during a rollout and reuse them for every prompt that "
+                  "starts with the same tokens, so that each distinct prompt token is forwarded once per rollout: the "
+                  "instructions every prompt starts with, a task's copies' identical first prompts, and in "
+                  "conversation mode each episode's previous prompt and answer (a T-turn episode's prefill is then "
+                  "O(T) tokens, not O(T^2)). The tokens are those of generation without it, up to floating-point "
+                  "summation order. Off by itself, with one warning, where it cannot serve (a sliding-window or static "
+                  "cache, continuous batching, ZeRO-3 without ds3_gather_for_generation). False: every prompt is "
+                  "forwarded whole at every turn (TRL's generate)."},
+    )
     dynamic_sampling_max_rounds: int = field(
         default=0,
         metadata={"help": "Dynamic sampling (DAPO's): after a training rollout, the task groups without signal "

@@ -66,6 +66,9 @@ ENV_S = "timing/env_s"
 ADVANTAGES_S = "timing/advantages_s"
 UPDATE_S = "timing/update_s"
 TOKENS_PER_S = "generation/tokens_per_s"
+PROMPT_TOKENS = "generation/prompt_tokens"  # the tokens of the rollout's prompts
+# of those, the tokens the model forwarded (HF generation; fewer where the prefix cache held them; not logged under vLLM)
+PREFILL_TOKENS = "generation/prefill_tokens"
 
 # Dynamic sampling's task groups and rounds (`gigpo_trl.dynamic_sampling.SamplingCounts`).
 DYNAMIC_SAMPLING_PREFIX = "dynamic_sampling/"

@@ -26,8 +26,8 @@ from gigpo_trl.loops import EpisodeLoops, LoopCounts
 from gigpo_trl.metric_names import (
     ADVANTAGES_S, CONTEXT_OVERFLOW_SHARE, CONTEXT_TRIMMED_SHARE, ENV_ERROR_SHARE, ENV_PREFIX, ENV_S, EPISODE_LENGTH_MEAN,
     FRAC_REWARD_ZERO_STD, GENERATION_S, GROUP_RETURN_STD, INVALID_ACTION_RATE, NONZERO_ADVANTAGE_SHARE, NUM_ROWS,
-    PANEL_TASKS, PANEL_UNPLAYED, PASS_AT_PREFIX, RETURN_MEAN, RETURN_STD, ROLLOUT_S, STEP_SAMPLES, SUCCESS_RATE,
-    TOKENS_PER_S, TRUNCATED_SHARE, UPDATE_S, UPDATE_STEP_SAMPLES,
+    PANEL_TASKS, PANEL_UNPLAYED, PASS_AT_PREFIX, PREFILL_TOKENS, PROMPT_TOKENS, RETURN_MEAN, RETURN_STD, ROLLOUT_S,
+    STEP_SAMPLES, SUCCESS_RATE, TOKENS_PER_S, TRUNCATED_SHARE, UPDATE_S, UPDATE_STEP_SAMPLES,
 )
 from gigpo_trl.rollout import Episode, Rollout
 
@@ -116,6 +116,7 @@ class RolloutSummary:
     shortest_answer: float  # tokens (inf: no answer)
     longest_answer: float  # tokens (-inf: no answer)
     prompt_tokens: int
+    prefill_tokens: int | None  # the prompt tokens forwarded (`Rollout.prefill_tokens`; None: not known)
     generated_tokens: int
     update_samples: int  # step samples that are rows of the update (padding rows aside)
     update_nonzero: int  # of those, the samples whose advantage is not 0
@@ -172,6 +173,7 @@ class RolloutSummary:
             shortest_answer=min(answer_lengths, default=np.inf),
             longest_answer=max(answer_lengths, default=-np.inf),
             prompt_tokens=sum(len(c.prompt_ids) for c in steps.completion),
+            prefill_tokens=rollout.prefill_tokens,
             generated_tokens=rollout.generated_tokens,
             update_samples=len(update_samples),
             update_nonzero=int(np.count_nonzero(gigpo.advantages[np.asarray(update_samples, dtype=np.int64)])),
@@ -222,6 +224,7 @@ def rollout_metrics(summaries: Sequence[RolloutSummary], update_seconds: float |
         ENV_S: slowest("env"),
         ADVANTAGES_S: slowest("advantages"),
         TOKENS_PER_S: total("generated_tokens") / max(generation_seconds, 1e-9),
+        PROMPT_TOKENS: total("prompt_tokens"),
         # GRPOTrainer's standard metrics in GiGPO's terms: the step reward is the per-sample reward; a task group
         # whose returns are all equal gets no episode advantage.
         "completions/mean_length": total("generated_tokens") / max(steps, 1),
@@ -236,6 +239,8 @@ def rollout_metrics(summaries: Sequence[RolloutSummary], update_seconds: float |
         metrics[GROUP_RETURN_STD] = total("group_return_std_sum") / total("spread_groups")
     if update_seconds is not None:
         metrics[UPDATE_S] = update_seconds
+    if all(s.prefill_tokens is not None for s in summaries):
+        metrics[PREFILL_TOKENS] = total("prefill_tokens")
     if summaries[0].sampling is not None:
         metrics.update(SamplingCounts.combine([s.sampling for s in summaries]).as_metrics())
     if summaries[0].std_filter is not None:  # over all processes already

@@ -98,6 +98,9 @@ class Rollout:
     generated_tokens: int = 0
     generation_seconds: float = 0.0
     env_seconds: float = 0.0
+    # prompt tokens the model forwarded to read the rollout's prompts (HF generation: fewer than their tokens where the
+    # prefix cache held some); None where the generator does not say (vLLM)
+    prefill_tokens: int | None = None
 
     @property
     def num_groups(self) -> int:
@@ -135,6 +138,8 @@ def concatenate_rollouts(parts: Sequence[Rollout]) -> Rollout:
         merged.generation_seconds += part.generation_seconds
         merged.env_seconds += part.env_seconds
         groups, trajectories = groups + part.num_groups, trajectories + len(part.episodes)
+    if all(part.prefill_tokens is not None for part in parts):
+        merged.prefill_tokens = sum(part.prefill_tokens for part in parts)
     return merged
 
 

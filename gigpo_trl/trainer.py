@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 from accelerate.utils import gather_object
+from trl.models import unwrap_model_for_generation
 from datasets import Dataset
 from trl import GRPOTrainer
 from trl.chat_template_utils import get_training_chat_template
@@ -35,6 +36,7 @@ from gigpo_trl.generation import (
 from gigpo_trl.loss import GiGPOLossMixin
 from gigpo_trl.metrics import PanelEpisode, RolloutTimes
 from gigpo_trl.models import resolve_model
+from gigpo_trl.prefix_cache import PrefixCache, prefix_cache_problem
 from gigpo_trl.prompts import PromptTemplate, load_template, template_for
 from gigpo_trl.rollout import Rollout, collect_rollout
 from gigpo_trl.run_logs import RunLogsMixin
@@ -175,6 +177,8 @@ class GiGPOTrainer(GiGPOLossMixin, RunLogsMixin, GRPOTrainer):
         self.prompt_token_limit = prompt_token_limit(
             getattr(self.model.config, "max_position_embeddings", None),
             args.vllm_max_model_length if self.use_vllm else None, self.max_completion_length)
+        # HF generation reads each distinct prompt token of a rollout once (`gigpo_trl.prefix_cache`)
+        self.prefix_cache = self._prefix_cache()
         self.environment_factory = environment_factory
         history_length = args.history_shown(tool_environment=environment_factory is not None)
         if args.context_overflow == "drop_oldest" and history_length is not None:
@@ -291,8 +295,11 @@ class GiGPOTrainer(GiGPOLossMixin, RunLogsMixin, GRPOTrainer):
     def _play(self, pool: EnvPool, tasks: list[Task], greedy: bool) -> Rollout:
         """Play the tasks (none: only make the generation calls of the other processes' turns) through TRL's
         generation backends, in lock-step with the other processes."""
+        if self.prefix_cache is not None:  # what it keeps belongs to the weights of the rollout before
+            self.prefix_cache.clear()
+            self.prefix_cache.take_counts()
         with greedy_decoding(self, greedy), vllm_awake(self):
-            return collect_rollout(
+            rollout = collect_rollout(
                 pool,
                 tasks,
                 self._generate_turn,
@@ -302,6 +309,12 @@ class GiGPOTrainer(GiGPOLossMixin, RunLogsMixin, GRPOTrainer):
                 equal_prompt_counts=self.use_vllm and (self.vllm_mode == "server" or self.args.vllm_tensor_parallel_size > 1),
                 show_progress=self.accelerator.is_main_process,
             )
+        if self.prefix_cache is not None:
+            rollout.prefill_tokens = self.prefix_cache.take_counts().forwarded_tokens
+            self.prefix_cache.clear()
+        elif not self.use_vllm:  # TRL's generate forwards every prompt whole
+            rollout.prefill_tokens = sum(len(completion.prompt_ids) for completion in rollout.steps.completion)
+        return rollout
 
     def _advantages(self, rollout: Rollout) -> GiGPOAdvantages:
         """The GiGPO advantages of a rollout's step samples, with the configured settings."""
@@ -359,6 +372,48 @@ class GiGPOTrainer(GiGPOLossMixin, RunLogsMixin, GRPOTrainer):
             completions[k].dropped_exchanges = count
         return [PromptTooLong(too_long[k], self.prompt_token_limit) if k in too_long else completion
                 for k, completion in enumerate(completions)]
+
+    def _generate_single_turn(self, prompt_ids: list[list[int]], images: Any, multimodal_fields: dict,
+                              num_generations: int, has_tool_images: bool = False) -> tuple[list[list[int]], None]:
+        """TRL's, with its `generate` path through the prefix cache where one serves (`generation_prefix_cache`): the
+        same model set-up and generation config, each answer up to its first end token (included), but each prompt
+        token that a sequence forwarded earlier in the rollout holds is read from its kept keys and values."""
+        if self.prefix_cache is None or images is not None or multimodal_fields or num_generations != 1:
+            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+        with (
+            unwrap_model_for_generation(
+                self.model_wrapped, self.accelerator, gather_deepspeed3_params=self.args.ds3_gather_for_generation,
+                generation_kwargs=self.generation_kwargs,
+                gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs,
+            ) as model,
+            torch.no_grad(),
+            self._dist.summon_full_params(self.model_wrapped, recurse=False),
+        ):
+            generated = self.prefix_cache.generate(model, prompt_ids, self.generation_config,
+                                                   self._tokenizer.pad_token_id)
+        ends = set(self.eos_token_ids)
+        answers = []
+        for row in generated.tolist():
+            end = next((k for k, token in enumerate(row) if token in ends), len(row) - 1)
+            answers.append(row[: end + 1])
+        return answers, None
+
+    def _prefix_cache(self) -> PrefixCache | None:
+        """The prefix cache of HF generation (`generation_prefix_cache`), or None: under vLLM (its own prefix caching
+        does the same), where switched off, or where it cannot serve (said in one warning)."""
+        if self.use_vllm or not self.args.generation_prefix_cache:
+            return None
+        zero3 = self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3
+        problem = prefix_cache_problem(
+            self.model.config, self.generation_config,
+            continuous_batching=self.use_transformers_continuous_batching,
+            lockstep_forwards=zero3 and not self.args.ds3_gather_for_generation,
+        )
+        if problem:
+            warnings.warn(f"generation_prefix_cache is off: {problem}; every prompt is forwarded whole at every turn "
+                          "(TRL's generate)", stacklevel=3)
+            return None
+        return PrefixCache()
 
     def _fit_context(self, messages: Messages, tools: Tools | None) -> tuple[int, list[int]] | None:
         """`context_overflow='drop_oldest'`: the fewest oldest exchanges dropped from a conversation for its prompt
