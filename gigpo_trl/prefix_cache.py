@@ -40,13 +40,14 @@ KeptLayers = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 def prefix_cache_problem(config: Any, generation_config: Any, *, continuous_batching: bool = False,
-                         lockstep_forwards: bool = False) -> str | None:
+                         sharded: str | None = None) -> str | None:
     """Why `PrefixCache` cannot serve a model's generation, or None where it can.
 
     It needs a text decoder whose every layer attends to the whole context (a sliding window would drop kept tokens)
     through an attention that honours a 2-D mask with holes in it, `generate`'s dynamic cache, TRL's `generate` path
-    (not continuous batching), and forwards that each process may make on its own (not ZeRO-3 without
-    `ds3_gather_for_generation`, whose forwards are collective: the shared prefixes' forwards differ by process).
+    (not continuous batching), and forwards that each process may make on its own: a `sharded` model (ZeRO-3, FSDP)
+    runs a collective at every forward, even with its parameters gathered for generation, and the shared prefixes'
+    forwards differ from process to process.
     """
     text_config = config.get_text_config()
     if text_config is not config:
@@ -60,8 +61,8 @@ def prefix_cache_problem(config: Any, generation_config: Any, *, continuous_batc
         return f"cache_implementation={generation_config.cache_implementation!r} is not the dynamic cache"
     if continuous_batching:
         return "continuous batching (use_transformers_continuous_batching) generates instead"
-    if lockstep_forwards:
-        return "ZeRO-3 without ds3_gather_for_generation makes every forward collective"
+    if sharded:
+        return f"{sharded} makes every forward of the model collective, and processes forward different prefixes"
     return None
 
 

@@ -378,7 +378,8 @@ class GiGPOTrainer(GiGPOLossMixin, RunLogsMixin, GRPOTrainer):
         """TRL's, with its `generate` path through the prefix cache where one serves (`generation_prefix_cache`): the
         same model set-up and generation config, each answer up to its first end token (included), but each prompt
         token that a sequence forwarded earlier in the rollout holds is read from its kept keys and values."""
-        if self.prefix_cache is None or images is not None or multimodal_fields or num_generations != 1:
+        if self.prefix_cache is None or self.use_vllm or self.use_transformers_continuous_batching or \
+                images is not None or multimodal_fields or num_generations != 1:
             return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
         with (
             unwrap_model_for_generation(
@@ -407,7 +408,7 @@ class GiGPOTrainer(GiGPOLossMixin, RunLogsMixin, GRPOTrainer):
         problem = prefix_cache_problem(
             self.model.config, self.generation_config,
             continuous_batching=self.use_transformers_continuous_batching,
-            lockstep_forwards=zero3 and not self.args.ds3_gather_for_generation,
+            sharded="ZeRO-3" if zero3 else "FSDP" if self.is_fsdp_enabled else None,
         )
         if problem:
             warnings.warn(f"generation_prefix_cache is off: {problem}; every prompt is forwarded whole at every turn "

@@ -4,6 +4,7 @@ pass timings and the update-memory estimate. (The research code's tests are in r
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -28,12 +29,15 @@ def test_the_median_iteration_takes_each_figure_over_iterations_separately():
     from bench.bench_rollout import median_iteration
 
     parts = ["generation", "environments", "rollout loop", "advantages", "update"]
-    rows = [{"seconds": total, "step_samples": samples, "generated_tokens_per_s": tokens, "parts_s": dict(zip(parts, split))}
-            for total, samples, tokens, split in [(10.0, 20, 5.0, (4, 0, 0, 0, 6)), (30.0, 30, 9.0, (9, 1, 0, 0, 20)),
-                                                   (20.0, 10, 7.0, (5, 0, 1, 0, 14))]]
+    rows = [{"seconds": total, "step_samples": samples, "generated_tokens_per_s": tokens, "parts_s": dict(zip(parts, split)),
+             "prompt_tokens": prompt, "prefill_tokens": prefill}
+            for total, samples, tokens, split, prompt, prefill in [
+                (10.0, 20, 5.0, (4, 0, 0, 0, 6), 900, 300), (30.0, 30, 9.0, (9, 1, 0, 0, 20), 1000, 200),
+                (20.0, 10, 7.0, (5, 0, 1, 0, 14), 800, 400)]]
     median = median_iteration(rows)
 
     assert median["seconds"] == 20.0 and median["generated_tokens_per_s"] == 7.0
+    assert (median["prompt_tokens"], median["prefill_tokens"]) == (900, 300)
     assert median["step_samples_per_s"] == 1.0  # of 2.0, 1.0 and 0.5 per second: not 20 samples / 20 s
     assert median["parts_s"] == {"generation": 5, "environments": 0, "rollout loop": 0, "advantages": 0, "update": 14}
 
@@ -53,6 +57,24 @@ def test_configs_are_timed_side_by_side_in_one_run(tiny_model_path, tmp_path, ca
     assert all(median["seconds"] > 0 and median["step_samples_per_s"] > 0 for median in medians.values())
     side_by_side = capsys.readouterr().out.split("Median iteration, side by side:")[1]
     assert str(smoke) in side_by_side and str(shorter) in side_by_side
+
+
+@pytest.mark.timeout(300)
+def test_a_config_field_is_timed_at_each_value_side_by_side(tiny_model_path, capsys):
+    from bench.bench_rollout import main
+
+    smoke = str(Path(__file__).resolve().parent.parent / "recipes" / "configs" / "smoke_cpu.yaml")
+    main(["--iterations", smoke, "--vary", "generation_prefix_cache", "false", "true", "--num-iterations", "1",
+          "--model", tiny_model_path])
+
+    out = capsys.readouterr().out
+    side_by_side = out.split("Median iteration, side by side:")[1].strip().splitlines()
+    assert [line.split(":")[0].strip() for line in side_by_side] == [
+        f"{smoke} generation_prefix_cache=false", f"{smoke} generation_prefix_cache=true"]
+    forwarded = [re.search(r"(\d+) of (\d+) prompt tokens forwarded", line).groups() for line in side_by_side]
+    (plain, prompts), (cached, same_prompts) = [(int(a), int(b)) for a, b in forwarded]
+    assert plain == prompts and cached < prompts  # TRL's generate reads every prompt whole; the cache, shared ones once
+    assert f"Iterations of {smoke} --generation_prefix_cache true" in out
 
 
 @pytest.mark.timeout(300)

@@ -184,13 +184,14 @@ def walk_right(prompts, tools):
 
 
 def walked_rollout(env_fn, seeds: list[int], group_size: int, max_env_steps: int, reset_attempts: int = 3,
-                   **summary_options) -> tuple:
+                   prefill_tokens: int | None = None, **summary_options) -> tuple:
     """`walk_right` in `group_size` copies of each seed's environment: the rollout, its advantages and its summary as
-    the trainer makes them."""
+    the trainer makes them (`prefill_tokens`: what the generator says it forwarded)."""
     with EnvPool(env_fn, num_groups=len(seeds), group_size=group_size, processes=False,
                  reset_attempts=reset_attempts) as pool:
         rollout = collect_rollout(pool, [Task(seed) for seed in seeds], walk_right, max_env_steps=max_env_steps,
                                   show_progress=False)
+    rollout.prefill_tokens = prefill_tokens
     steps = rollout.steps
     gigpo = compute_gigpo_advantages(steps.reward, steps.group, steps.trajectory, steps.step, steps.anchor)
     summary = RolloutSummary.of(rollout, gigpo, RolloutTimes(1.0, 0.5, 0.5, 0.0), max_completion_length=8,
@@ -264,7 +265,7 @@ def test_the_metric_names_defined_once_are_the_names_the_metrics_are_logged_unde
                               extra_rounds=0, extra_rollout_s=0.0)
     std_filter = StdFilterCounts.of([[0.5, 0.0]], kept=[[0]])
     rollout, gigpo, summary = walked_rollout(Corridor, [0, 1], group_size=2, max_env_steps=3, sampling=sampling,
-                                             std_filter=std_filter)
+                                             std_filter=std_filter, prefill_tokens=10)
     logged = {*rollout_metrics([summary], update_seconds=1.0),
               *panel_metrics([PanelEpisode.of(episode, group_size=2) for episode in rollout.episodes]),
               *gigpo.stats.as_metrics()}  # its row count, which the rollout's metrics log as env/step_samples
@@ -317,3 +318,12 @@ def test_an_environment_metric_that_cannot_be_logged_is_refused_by_name(metrics,
     with EnvPool(Declares, num_groups=1, group_size=1, processes=False) as pool, \
             pytest.raises(ValueError, match=r"environment 'Declares', task seed 0: " + problem):
         collect_rollout(pool, [Task(0)], walk_right, max_env_steps=1, show_progress=False)
+
+
+def test_the_prefill_is_logged_only_where_every_process_says_what_it_forwarded():
+    _, _, cached = walked_rollout(Corridor, [0, 1], group_size=2, max_env_steps=3, prefill_tokens=7)
+    _, _, vllm = walked_rollout(Corridor, [0, 1], group_size=2, max_env_steps=3)  # the generator did not say
+
+    assert rollout_metrics([cached, cached])["generation/prefill_tokens"] == 14
+    assert "generation/prefill_tokens" not in rollout_metrics([cached, vllm])
+    assert rollout_metrics([cached, vllm])["generation/prompt_tokens"] == 2 * cached.prompt_tokens
