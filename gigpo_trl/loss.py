@@ -103,7 +103,7 @@ class GiGPOLossMixin:
         self._rollout_entropy_bonus, self._entropy_bonus_enabled = self._entropy_bonus_enabled, False
         self._loss_entropies: torch.Tensor | None = None  # of the loss's latest forward pass
         self._pass_counts: list[tuple[int, int]] = []  # real rows and tokens (all processes) of a micro-batch's passes
-        problem = packing_problem(self.model.config) if self.args.packed_update else None
+        problem = packing_problem(self.model.config, self.accelerator.device.type) if self.args.packed_update else None
         self._packed_update = self.args.packed_update and problem is None
         # The rows of a rollout can be ordered by prompt in place of TRL's shuffle (more sharing per micro-batch) where
         # the update is the same whatever the split: one optimizer step per rollout, and no per-micro-batch quantile.
@@ -204,13 +204,15 @@ class GiGPOLossMixin:
         (`pack_rows`), each shared token forwarded once: the same (B, C) log-probs and entropies, within fp32
         rounding."""
         batch_size = batch_size or input_ids.size(0)
-        mask_dtype = None if self.model.config._attn_implementation == "sdpa" else self.model.dtype
+        attention = self.model.config._attn_implementation
         log_probs, entropies = [], []
         for start in range(0, input_ids.size(0), batch_size):
             packed = pack_rows(input_ids[start:start + batch_size], attention_mask[start:start + batch_size],
                                logits_to_keep)
+            mask = packed.block_mask() if attention == "flex_attention" else \
+                packed.attention_mask(None if attention == "sdpa" else self.model.dtype)
             with self.accelerator.autocast():
-                outputs = model(input_ids=packed.input_ids, attention_mask=packed.attention_mask(mask_dtype),
+                outputs = model(input_ids=packed.input_ids, attention_mask=mask,
                                 position_ids=packed.position_ids, shift_labels=packed.shift_labels, fused_lm_head=True)
             log_probs.append(unpack(outputs.log_probs, packed.gather))
             if compute_entropy:

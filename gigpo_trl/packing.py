@@ -18,7 +18,9 @@ conversation), a trajectory's rows form one path: its tokens are forwarded once,
 
 The trie is cut into packed rows of at most `capacity` nodes (rows are inserted in sorted order, so rows that share a
 prefix sit together); a packed row's attention is dense over its nodes, so `capacity` bounds the attention's cost
-against the plain path's.
+against the plain path's. A packed row's nodes are numbered in depth-first order, so a node's ancestors are the nodes
+k before it whose subtree it is in (k <= j < subtree_end[k]): the attention is an interval predicate, which
+FlexAttention takes as a block mask without the dense (T x T) one (`PackedRows.block_mask`).
 """
 
 from __future__ import annotations
@@ -33,17 +35,20 @@ IGNORED = -100  # a position whose hidden state scores nothing (TRL's label conv
 MASKED_ATTENTION = ("sdpa", "eager")
 
 
-def packing_problem(config: Any) -> str | None:
+def packing_problem(config: Any, device_type: str = "cpu") -> str | None:
     """Why a model's forward pass cannot be packed exactly, or None where it can.
 
-    Packing needs an attention that takes the trie's 4-D mask as given, positions that enter only as differences
-    (rotary embeddings: the plain path's left-padded rows start at a later absolute position), and no sliding window
-    (a custom mask replaces it) and no vision inputs.
+    Packing needs an attention that takes the trie's 4-D mask as given (or, FlexAttention on CUDA, its block mask:
+    FlexAttention's backward runs on CUDA only in torch 2.13), positions that enter only as differences (rotary
+    embeddings: the plain path's left-padded rows start at a later absolute position), and no sliding window (a custom
+    mask replaces it) and no vision inputs.
     """
     text_config = config.get_text_config()
     if text_config is not config:
         return f"{config.model_type} is a multimodal model"
-    if config._attn_implementation not in MASKED_ATTENTION:
+    if config._attn_implementation == "flex_attention" and device_type != "cuda":
+        return f"attn_implementation='flex_attention' trains on CUDA only (this model is on {device_type}; use 'sdpa')"
+    if config._attn_implementation not in (*MASKED_ATTENTION, "flex_attention"):
         return f"attn_implementation={config._attn_implementation!r} takes no 4-D attention mask (use one of {MASKED_ATTENTION})"
     if getattr(config, "rope_parameters", None) is None and getattr(config, "rope_theta", None) is None:
         return f"{config.model_type}'s positions are not rotary, so a left-padded row's positions would differ"
@@ -58,9 +63,10 @@ class PackedRows:
     """The rows of a forward pass as packed rows of trie nodes.
 
     Attributes:
-        input_ids: (P, T) the nodes' tokens; padding nodes hold 0.
+        input_ids: (P, T) the nodes' tokens, in depth-first order; padding nodes hold 0.
         position_ids: (P, T) each node's depth on its path (0 for the first prompt token); 0 for padding.
-        visible: (P, T, T) bool, visible[p, j, i]: node i is node j or one of its ancestors (padding sees itself).
+        subtree_end: (P, T) one past the last node of each node's subtree (a padding node's: itself + 1), so node j
+            sees node i (i is j or one of its ancestors) exactly when i <= j < subtree_end[i].
         shift_labels: (P, T) the completion token a node's hidden state scores, IGNORED where it scores none.
         gather: (B, C) where each row's completion token is scored, as an index into the flattened (P * T) outputs;
             P * T (one past the end) for the columns that are not real tokens.
@@ -69,10 +75,30 @@ class PackedRows:
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
-    visible: torch.Tensor
+    subtree_end: torch.Tensor
     shift_labels: torch.Tensor
     gather: torch.Tensor
     tokens: int
+
+    @property
+    def visible(self) -> torch.Tensor:
+        """(P, T, T) bool, visible[p, j, i]: node i is node j or one of its ancestors (padding sees itself)."""
+        nodes = torch.arange(self.input_ids.size(1), device=self.input_ids.device)
+        query, key = nodes[None, :, None], nodes[None, None, :]
+        return (key <= query) & (query < self.subtree_end[:, None, :])
+
+    def block_mask(self):
+        """The same visibility as FlexAttention's `BlockMask` (attn_implementation "flex_attention"), from the interval
+        predicate: no dense (T x T) mask is held, and blocks no node of which sees another are skipped."""
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        subtree_end = self.subtree_end
+
+        def sees(batch, head, query, key):
+            return (key <= query) & (query < subtree_end[batch, key])
+
+        rows, width = self.input_ids.shape
+        return create_block_mask(sees, B=rows, H=None, Q_LEN=width, KV_LEN=width, device=self.input_ids.device)
 
     def attention_mask(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The 4-D mask a transformers model takes as given: (P, 1, T, T), bool (True: attend; SDPA) or, with a
@@ -173,27 +199,52 @@ def new_nodes(trie: dict, keys: list[tuple[int, int]]) -> int:
     return 0
 
 
+def depth_first(parents: list[int]) -> tuple[list[int], list[int]]:
+    """A trie's nodes (each one's parent, -1 for a root; parents before children) in depth-first preorder, children
+    in the order they were made: (the node at each new position, one past each new position's subtree)."""
+    children: list[list[int]] = [[] for _ in parents]
+    roots = []
+    for node, parent in enumerate(parents):
+        (children[parent] if parent >= 0 else roots).append(node)
+    order, subtree_end, position = [], [0] * len(parents), [0] * len(parents)
+    stack = [(node, False) for node in reversed(roots)]
+    while stack:
+        node, left = stack.pop()
+        if left:
+            subtree_end[position[node]] = len(order)
+            continue
+        position[node] = len(order)
+        order.append(node)
+        stack += [(node, True), *((child, False) for child in reversed(children[node]))]
+    return order, subtree_end
+
+
 def packed_tensors(bins: list[dict], gather: list[list], device: torch.device) -> PackedRows:
-    """`PackedRows` from the packed rows' tries and the (packed row, node) scoring each completion column."""
+    """`PackedRows` from the packed rows' tries and the (packed row, node) scoring each completion column, the nodes
+    renumbered in depth-first order."""
     width = max((len(trie["tokens"]) for trie in bins), default=1)
     input_ids = torch.zeros(len(bins), width, dtype=torch.long)
     position_ids = torch.zeros(len(bins), width, dtype=torch.long)
+    subtree_end = torch.arange(1, width + 1).repeat(len(bins), 1)
     shift_labels = torch.full((len(bins), width), IGNORED, dtype=torch.long)
-    visible = torch.eye(width, dtype=torch.bool).repeat(len(bins), 1, 1)
+    renumbered = []  # per packed row: node -> its depth-first position
     for row, trie in enumerate(bins):
-        size = len(trie["tokens"])
-        input_ids[row, :size] = torch.tensor(trie["tokens"])
-        shift_labels[row, :size] = torch.tensor(trie["scores"])
-        depth = position_ids[row].tolist()
-        for node, parent in enumerate(trie["parents"]):  # parents come before their children
-            if parent >= 0:
-                visible[row, node] |= visible[row, parent]
-                depth[node] = depth[parent] + 1
-        position_ids[row] = torch.tensor(depth)
+        order, ends = depth_first(trie["parents"])
+        position = {node: k for k, node in enumerate(order)}
+        renumbered.append(position)
+        size = len(order)
+        input_ids[row, :size] = torch.tensor([trie["tokens"][node] for node in order])
+        shift_labels[row, :size] = torch.tensor([trie["scores"][node] for node in order])
+        subtree_end[row, :size] = torch.tensor(ends)
+        depth = [0] * size
+        for k, node in enumerate(order):  # a parent comes before its children in depth-first order too
+            parent = trie["parents"][node]
+            depth[k] = depth[position[parent]] + 1 if parent >= 0 else 0
+        position_ids[row, :size] = torch.tensor(depth)
     past_the_end = len(bins) * width
-    gather_index = torch.tensor([[past_the_end if at is None else at[0] * width + at[1] for at in columns]
-                                 for columns in gather], dtype=torch.long).reshape(len(gather), -1)
-    return PackedRows(input_ids.to(device), position_ids.to(device), visible.to(device), shift_labels.to(device),
+    gather_index = torch.tensor([[past_the_end if at is None else at[0] * width + renumbered[at[0]][at[1]]
+                                  for at in columns] for columns in gather], dtype=torch.long).reshape(len(gather), -1)
+    return PackedRows(input_ids.to(device), position_ids.to(device), subtree_end.to(device), shift_labels.to(device),
                       gather_index.to(device), sum(len(trie["tokens"]) for trie in bins))
 
 

@@ -84,6 +84,42 @@ def test_a_trajectory_whose_prompts_extend_its_previous_step_samples_forwards_it
     assert packed.gather.tolist() == [[1, 2], [4, 5], [7, 8]]
 
 
+def test_nodes_are_numbered_depth_first_so_that_a_node_sees_an_interval_of_ancestors():
+    # the third row's 4 is a prompt token, so it takes the first row's 4 (which scores 5), made before the second
+    # row's 4 (which scores 6): its 7 is made last but sits inside the first 4's subtree, before the second 4
+    rows = [([1, 2, 3], [4, 5]), ([1, 2, 3], [4, 6]), ([1, 2, 3, 4, 7], [8])]
+    packed = pack_rows(*padded(rows, 2), 2)
+    assert packed.input_ids.tolist() == [[1, 2, 3, 4, 7, 4]]
+    assert packed.position_ids.tolist() == [[0, 1, 2, 3, 4, 3]]
+    assert packed.subtree_end.tolist() == [[6, 6, 6, 5, 5, 6]]
+    visible = packed.visible[0].int().tolist()
+    assert visible[4] == [1, 1, 1, 1, 1, 0]  # 7 sees 1 2 3 and the first 4
+    assert visible[5] == [1, 1, 1, 0, 0, 1]  # the second 4 sees 1 2 3 only
+    assert packed.gather.tolist() == [[2, 3], [2, 5], [4, 6]]
+    # over a trie of many branches, what a node sees is one node at each depth above it, spelling a row's start
+    many = pack_rows(*padded(ROWS), 5, capacity=1000)
+    sequences = [prompt + answer for prompt, answer in ROWS]
+    for j in range(many.tokens):
+        path = [i for i in range(j + 1) if many.visible[0, j, i]]
+        assert many.position_ids[0, path].tolist() == list(range(len(path)))
+        tokens = many.input_ids[0, path].tolist()
+        assert any(sequence[:len(tokens)] == tokens for sequence in sequences)
+
+
+def test_flexattentions_block_mask_gives_the_dense_masks_outputs(tiny_model_path):
+    # FlexAttention trains on CUDA only in torch 2.13: on CPU its forward is checked against the dense mask's
+    input_ids, attention_mask = padded(ROWS)
+    packed = pack_rows(input_ids, attention_mask, 5)
+    outputs = {}
+    for attention, mask in (("sdpa", packed.attention_mask()), ("flex_attention", packed.block_mask())):
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_path, attn_implementation=attention).eval()
+        with torch.no_grad():
+            outputs[attention] = model(input_ids=packed.input_ids, attention_mask=mask,
+                                       position_ids=packed.position_ids).logits
+    real = packed.input_ids != 0
+    torch.testing.assert_close(outputs["flex_attention"][real], outputs["sdpa"][real], atol=1e-5, rtol=1e-4)
+
+
 def test_the_capacity_cuts_the_trie_into_packed_rows_and_a_longer_row_gets_its_own():
     input_ids, attention_mask = padded(ROWS)
     whole = pack_rows(input_ids, attention_mask, 5, capacity=1000)
@@ -230,8 +266,11 @@ def test_a_model_packing_cannot_be_exact_for_is_named_with_the_reason(tiny_model
     config = AutoConfig.from_pretrained(tiny_model_path)
     config._attn_implementation = "sdpa"
     assert packing_problem(config) is None
-    config._attn_implementation = "flex_attention"
+    config._attn_implementation = "flash_attention_2"
     assert "takes no 4-D attention mask" in packing_problem(config)
+    config._attn_implementation = "flex_attention"  # its block mask: on CUDA, where FlexAttention trains
+    assert packing_problem(config, "cuda") is None
+    assert "trains on CUDA only" in packing_problem(config, "cpu")
     config._attn_implementation, config.use_sliding_window, config.sliding_window = "sdpa", True, 16
     assert "sliding-window" in packing_problem(config)
     gpt2 = AutoConfig.for_model("gpt2")
