@@ -236,7 +236,39 @@ def curves(runs: dict[tuple[str, int], Path], hint_steps: dict[tuple[str, int], 
                 "group_return_std": metrics.get("env/group_return_std", float("nan")),
                 **diagnostics.get((record["mode"], record["rollout"]), missing),
             })
-    return rows
+    return pooled_evaluations(rows, {run: read_evaluations(output_dir) for run, output_dir in runs.items()
+                                     if (output_dir / "gigpo" / "iterations.jsonl").is_file()})
+
+
+POOLED_COLUMNS = {"success_rate": "env/success_rate", "return_mean": "env/return_mean",
+                  "episode_length": "env/episode_length_mean"}
+
+
+def pooled_evaluations(rows: list[dict], evaluations: dict[tuple[str, int], list[dict]]) -> list[dict]:
+    """The rows with each held-out evaluation as one row: an evaluation played in several batches (a panel larger
+    than `per_device_eval_batch_size`) writes an iteration record per batch. Its success rate, return and episode
+    length are the whole panel's (the run's evaluation record, every episode of every batch); the other columns the
+    mean over its batches."""
+    pooled, batches = [], {}
+    for row in rows:
+        if row["mode"] != "eval":
+            pooled.append(row)
+            continue
+        key = (row["method"], row["seed"], row["step"])
+        if key not in batches:
+            batches[key] = []
+            pooled.append(key)  # the evaluation's place among the rows
+        batches[key].append(row)
+    panels = {(method, seed, record["step"]): record["metrics"]
+              for (method, seed), records in evaluations.items() for record in records}
+    for k, item in enumerate(pooled):
+        if isinstance(item, tuple):
+            parts = batches[item]
+            row = {name: value if not isinstance(value, float) else float(np.mean([part[name] for part in parts]))
+                   for name, value in parts[0].items()}
+            row.update({column: panels[item][name] for column, name in POOLED_COLUMNS.items() if item in panels})
+            pooled[k] = row
+    return pooled
 
 
 def mean_curve(rows: list[dict], method: str, mode: str, field: str) -> tuple[np.ndarray, np.ndarray]:

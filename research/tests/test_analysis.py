@@ -380,6 +380,34 @@ def test_step_credit_reading_is_setting_h_s_pre_registered_rule():
 
 
 
+def test_an_evaluation_played_in_batches_is_one_row_with_the_whole_panels_success(tmp_path):
+    # setting I's panel of 120 episodes is played in 4 batches of 30, each writing an iteration record: the curves
+    # must read the panel (the evaluation record), not the last batch
+    from gigpo_trl.records import evaluation_record, iteration_record, write_evaluation, write_records
+    from research.analysis import curves
+
+    run = tmp_path / "gigpo-seed0"
+    parts = [(np.array([2, 2]), np.zeros(2), np.zeros(2))]
+
+    def metrics(success: float, length: float) -> dict[str, float]:
+        return {"env/success_rate": success, "env/return_mean": success, "env/episode_length_mean": length,
+                "gigpo/singleton_share": 0.0, "gigpo/step_group_size_mean": 2.0, "timing/rollout_s": length,
+                "timing/advantages_s": 0.0}
+
+    write_records(run, iteration_record(0, "train", 0, metrics(0.5, 5.0), parts), [])
+    for rollout, (success, length) in enumerate([(1.0, 4.0), (0.5, 6.0)]):  # 3 episodes, then 2
+        write_records(run, iteration_record(1, "eval", rollout, metrics(success, length), parts), [])
+    write_evaluation(run, evaluation_record(1, metrics(0.8, 4.8), PANEL, {}))
+    (tmp_path / "gigpo-seed0.log").write_text("")
+
+    rows = curves({("GiGPO", 0): run}, {("GiGPO", 0): []}, {("GiGPO", 0): {}}, {}, {"env_name": "compass"})
+    evaluations = [row for row in rows if row["mode"] == "eval"]
+    assert len(evaluations) == 1 and evaluations[0]["step"] == 1
+    assert (evaluations[0]["success_rate"], evaluations[0]["episode_length"]) == (0.8, 4.8)  # the panel's
+    assert evaluations[0]["rollout_s"] == 5.0  # the batches' mean
+    assert [row["mode"] for row in rows] == ["train", "eval"]
+
+
 def test_setting_i_reads_the_sampled_panel_with_its_resolution_as_the_reversal_tolerance_and_the_curve_mean():
     from research.analysis import curve_mean_rows, panel_resolution, step_credit_reading
 
