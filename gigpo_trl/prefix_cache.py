@@ -13,7 +13,8 @@ with a kept sequence:
    the attention mask hides the pads and positions are counted over the real tokens (the mask's cumulative sum, as
    `generate` computes them for left padding), so every token sits at the position it has in its own prompt;
 3. each row's prompt and the answer tokens fed back are kept until the next call, whose prompts continue them in
-   conversation mode; the shared prefixes are kept until `clear`.
+   conversation mode; a shared prefix is kept while each call reads it (the instructions every prompt starts with),
+   so what is kept stays within about two sequences a row.
 
 Exact up to floating-point summation order: with causal attention a token's keys and values depend only on the
 tokens before it, so the first j tokens of any forwarded sequence serve every prompt that starts with the same j
@@ -79,7 +80,8 @@ class PrefillCounts:
 class _Kept:
     ids: np.ndarray  # (tokens,)
     layers: KeptLayers
-    shared: bool  # a prefix shared by several prompts (kept until `clear`), else a row's prompt and answer
+    shared: bool  # a prefix shared by several prompts, else a row's prompt and answer
+    used: bool = True  # read, or made, by the latest generation call
 
 
 @dataclass
@@ -112,6 +114,8 @@ class PrefixCache:
         if not prompts or min(map(len, prompts)) == 0:
             raise ValueError("PrefixCache.generate needs at least one prompt, each of at least one token")
         self.counts.prompt_tokens += sum(map(len, prompts))
+        for kept in self._kept:
+            kept.used = False
         self._forward_shared_prefixes(model, prompts, pad_token_id)
         inputs, attention_mask, cache = self._layout(prompts, pad_token_id, model.device)
         generation_config = copy.copy(generation_config)
@@ -121,7 +125,7 @@ class PrefixCache:
         generated = output.sequences[:, inputs.size(1):]
         fed = generated.size(1) - 1  # the last token sampled is not forwarded
         eos = _eos_ids(generation_config)
-        self._kept = [kept for kept in self._kept if kept.shared]
+        self._kept = [kept for kept in self._kept if kept.shared and kept.used]
         for row, ids in enumerate(prompts):
             answer = _until_eos(generated[row, :fed].tolist(), eos)
             self._kept.append(_Kept(np.concatenate([ids, np.asarray(answer, dtype=np.int64)]),
@@ -148,12 +152,15 @@ class PrefixCache:
     def _longest_kept(self, ids: np.ndarray, limit: int) -> tuple[int, KeptLayers | None]:
         """The longest prefix of `ids`, of at most `limit` tokens, that a kept sequence starts with: (its length, that
         sequence's layers)."""
-        best, layers = 0, None
+        best, chosen = 0, None
         for kept in self._kept:
             length = min(_common_prefix_length(ids, kept.ids), limit)
             if length > best:
-                best, layers = length, kept.layers
-        return best, layers
+                best, chosen = length, kept
+        if chosen is None:
+            return 0, None
+        chosen.used = True
+        return best, chosen.layers
 
     def _layout(self, sequences: list[np.ndarray], pad_token_id: int,
                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor, object | None]:

@@ -57,6 +57,27 @@ def test_kept_prefixes_give_plain_generates_greedy_tokens_and_forward_each_new_t
             unread = len({tuple(prompt + answer) for prompt, answer in zip(prompts, answers)
                           if len(answer) == generated.size(1)})
             prompts = [prompt + answer + tokens(7) for prompt, answer in zip(prompts, answers)]
+            assert len(cache._kept) <= 2 * len(prompts) + 1  # each row's sequence, the prefixes this turn read
+
+
+def test_a_window_written_anew_each_turn_reads_its_instructions_once_and_keeps_no_stale_prefix(tiny_model_path):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    pad = tokenizer.pad_token_id
+    config = GenerationConfig(do_sample=False, max_new_tokens=4, eos_token_id=tokenizer.eos_token_id, pad_token_id=pad)
+    random = torch.Generator().manual_seed(1)
+    instructions = torch.randint(10, 400, (50,), generator=random).tolist()
+    cache = PrefixCache()
+    with torch.no_grad():
+        for turn in range(6):  # 4 copies of 2 tasks, each turn's window new text after the instructions
+            windows = [torch.randint(10, 400, (20,), generator=random).tolist() for _ in range(2)]
+            prompts = [instructions + windows[k % 2] for k in range(4)]
+            assert torch.equal(cache.generate(model, prompts, config, pad), plain_generate(model, prompts, config, pad))
+            forwarded = cache.take_counts().forwarded_tokens
+            # the instructions on the first turn only; each task's window once, then its last token again in each of
+            # its rows (generation reads at least one token a row)
+            assert forwarded == (50 if turn == 0 else 0) + 2 * 20 + 4
+            assert len(cache._kept) <= 2 * len(prompts) + 1
 
 
 def greedy_rollout(tiny_model_path: str, tmp_path, prefix_cache: bool, history_length) -> tuple[list, dict]:
