@@ -12,7 +12,7 @@ cost; answers in the rollout are forced to their length). Per T:
    passes (`GiGPOTrainer.compute_loss`, as `bench/packed_update.py` times them), alternating `--repeats` times:
    (a) conversation mode, packed: step t's prompt is the whole conversation so far, its answer trained with the step's
        advantage; the packed update forwards each distinct token once;
-   (b) the same step samples as plain rows (each forwarded whole, padded as TRL pads them);
+   (b) the same step samples as plain rows (each forwarded whole, padded as TRL pads them, in passes of 5 rows);
    (c) a 2-step window: step t's prompt is the instructions, the last 2 exchanges and the observation (packed, as the
        windowed default trains);
    (d) TRL's own loss path on each conversation as one sample (`GRPOTrainer(environment_factory=...)`'s way): the first
@@ -41,6 +41,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from packed_update import positions_forwarded, timed_update  # noqa: E402
 
 WINDOW = 2  # the windowed arm's exchanges, the text environments' default
+PLAIN_ROWS_PER_PASS = 5
 
 
 def random_model(source: str, layers: int):
@@ -75,14 +76,17 @@ def step_prompt(conversation: dict, step: int, window: int | None) -> list[int]:
     return conversation["instructions"] + exchanges + conversation["observations"][step]
 
 
-def update_trainer(model, tokenizer, rows_per_micro_batch: int, micro_batches: int, max_completion_length: int):
-    """A GiGPOTrainer whose update takes `micro_batches` micro-batches of `rows_per_micro_batch` rows."""
+def update_trainer(model, tokenizer, rows_per_micro_batch: int, micro_batches: int, max_completion_length: int,
+                   rows_per_pass: int | None = None):
+    """A GiGPOTrainer whose update takes `micro_batches` micro-batches of `rows_per_micro_batch` rows, forwarded in
+    passes of `rows_per_pass` rows (`max_step_samples_per_micro_batch`; None: a micro-batch a pass)."""
     from gigpo_trl import GiGPOConfig, GiGPOTrainer, task_dataset
 
     args = GiGPOConfig(output_dir=tempfile.mkdtemp(), env_name="corridor", env_processes=False, num_generations=2,
                        per_device_train_batch_size=rows_per_micro_batch, steps_per_generation=micro_batches,
                        gradient_accumulation_steps=micro_batches, use_cpu=True, bf16=False, activation_checkpointing=False,
-                       report_to=[], save_strategy="no", max_completion_length=max_completion_length)
+                       report_to=[], save_strategy="no", max_completion_length=max_completion_length,
+                       max_step_samples_per_micro_batch=rows_per_pass)
     tasks = rows_per_micro_batch * micro_batches // 2
     trainer = GiGPOTrainer(model, args=args, processing_class=tokenizer, train_dataset=task_dataset(range(tasks)))
     trainer.model.train()
@@ -136,10 +140,13 @@ def bench_update(model, tokenizer, episodes: list[dict], repeats: int, time_plai
     answer = len(episodes[0]["answers"][0])
     longest = sum(map(len, episodes[0]["observations"][1:])) + steps * answer
     step_trainer = update_trainer(model, tokenizer, steps, len(episodes), answer)
+    # plain rows in passes of PLAIN_ROWS_PER_PASS (the same compute, a fraction of the activations: a micro-batch of
+    # 20 rows of 1,700 tokens in one pass ran this machine out of memory)
+    plain_trainer = update_trainer(model, tokenizer, steps, len(episodes), answer, PLAIN_ROWS_PER_PASS)
     whole_trainer = update_trainer(model, tokenizer, 1, len(episodes), longest)
     arms = {  # name: (trainer, micro-batches, packed)
         "conversation_packed": (step_trainer, step_rows(step_trainer, episodes, None), True),
-        "conversation_plain_rows": (step_trainer, step_rows(step_trainer, episodes, None), False),
+        "conversation_plain_rows": (plain_trainer, step_rows(plain_trainer, episodes, None), False),
         "window_2_packed": (step_trainer, step_rows(step_trainer, episodes, WINDOW), True),
         "trl_one_sample": (whole_trainer, whole_rows(whole_trainer, episodes), False),
     }
