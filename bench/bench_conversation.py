@@ -22,6 +22,8 @@ cost; answers in the rollout are forced to their length). Per T:
 2. **The rollout's prefill**: the G conversations generated turn by turn (answers of exactly the shape's length),
    with TRL's `generate` over left-padded prompts and with the prefix cache (`gigpo_trl.prefix_cache`), alternating:
    the prompt tokens forwarded and the generation seconds.
+3. With `--first-turn TASKS COPIES`, instead: one turn of windowed prompts (shared instructions, each task's copies
+   alike, as a GiGPO rollout's first turn), generated both ways: the CPU seconds and the prompt tokens forwarded.
 Writes OUTPUT/bench_conversation.json.
 """
 
@@ -220,6 +222,46 @@ def bench_prefill(model, tokenizer, episodes: list[dict], repeats: int) -> dict:
             for name, played in runs.items()}
 
 
+def bench_first_turn(model, tasks: int, copies: int, shape: tuple[int, int, int], repeats: int) -> dict:
+    """One turn of windowed prompts (module docstring, 3): `tasks` x `copies` prompts of the shape's instructions and
+    a task of `observation` tokens, each task's copies alike, answers of the shape's length; TRL's `generate` and the
+    prefix cache alternately, the best CPU seconds of `repeats` and the prompt tokens forwarded."""
+    import torch
+    from transformers import GenerationConfig
+
+    from gigpo_trl.prefix_cache import PrefixCache
+
+    instructions, observation, answer = shape
+    rng = random.Random(0)
+    tokens = lambda count: [rng.randrange(3, model.config.vocab_size) for _ in range(count)]  # noqa: E731
+    shared = tokens(instructions)
+    prompts = [prompt for prompt in (shared + tokens(observation) for _ in range(tasks)) for _ in range(copies)]
+    config = GenerationConfig(do_sample=False, max_new_tokens=answer, min_new_tokens=answer, eos_token_id=None,
+                              pad_token_id=0)
+    model.eval()
+    seconds: dict[str, list[float]] = {"generate": [], "prefix_cache": []}
+    with torch.no_grad():
+        for _ in range(repeats):
+            width = max(map(len, prompts))
+            ids = torch.zeros((len(prompts), width), dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for row, prompt in enumerate(prompts):
+                ids[row, width - len(prompt):], mask[row, width - len(prompt):] = torch.tensor(prompt), 1
+            started = time.process_time()
+            plain = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)[:, width:]
+            seconds["generate"].append(time.process_time() - started)
+            cache = PrefixCache()
+            started = time.process_time()
+            cached = cache.generate(model, prompts, config, 0)
+            seconds["prefix_cache"].append(time.process_time() - started)
+            if not torch.equal(plain, cached):
+                raise AssertionError("the prefix cache's greedy tokens differ from generate's")
+    model.train()
+    return {"prompts": len(prompts), "prompt_tokens": sum(map(len, prompts)),
+            "prefill_tokens": {"generate": sum(map(len, prompts)), "prefix_cache": cache.take_counts().forwarded_tokens},
+            "cpu_s": {name: min(runs) for name, runs in seconds.items()}, "cpu_s_runs": seconds}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, nargs="+", default=[5, 10, 20, 50], help="the conversations' lengths T")
@@ -233,6 +275,10 @@ def main() -> None:
                         help="time the plain rows' update up to this T (beyond it their tokens are counted only: at "
                         "T = 50 they take most of an hour and several GB)")
     parser.add_argument("--skip-rollout", action="store_true", help="the update only")
+    parser.add_argument("--first-turn", type=int, nargs=2, metavar=("TASKS", "COPIES"), default=None,
+                        help="instead: one turn of windowed prompts, TASKS x COPIES (each task's copies alike) of the "
+                        "shape's instructions and an observation-sized task, generated with and without the prefix "
+                        "cache (e.g. the quickstart's first turn: --first-turn 4 4 --shape 300 80 12 --layers 30)")
     parser.add_argument("--output", type=Path, default=ROOT / "outputs" / "bench_conversation")
     args = parser.parse_args()
 
@@ -240,6 +286,12 @@ def main() -> None:
 
     torch.manual_seed(0)
     model, tokenizer = random_model(args.model, args.layers)
+    if args.first_turn:
+        figures = bench_first_turn(model, *args.first_turn, tuple(args.shape), args.repeats)
+        print(json.dumps(figures, indent=1))
+        args.output.mkdir(parents=True, exist_ok=True)
+        (args.output / "bench_first_turn.json").write_text(json.dumps(figures, indent=1))
+        return
     results = {"model": f"{args.model}, random, {args.layers} layers", "shape": args.shape, "episodes": args.episodes,
                "steps": {}}
     for steps in args.steps:
