@@ -204,3 +204,30 @@ def test_the_update_memory_estimate_reproduces_the_h100_runs_and_refuses_the_pla
                                vllm_share=0.3)
     with pytest.raises(SystemExit, match="lower vllm_gpu_memory_utilization"):
         plan_fits(4 * with_vllm, h100_gib, "4 runs with vLLM")
+
+
+@pytest.mark.timeout(300)
+def test_the_conversation_bench_measures_its_four_arms_and_the_prefill_side_by_side(tiny_model_path, tmp_path,
+                                                                                       monkeypatch):
+    from bench.bench_conversation import main
+
+    output = tmp_path / "conversation"
+    monkeypatch.setattr("sys.argv", ["bench_conversation.py", "--model", tiny_model_path, "--layers", "1", "--steps",
+                                     "3", "--shape", "12", "5", "3", "--repeats", "1", "--output", str(output)])
+    main()
+    row = json.loads((output / "bench_conversation.json").read_text())["steps"]["3"]
+    update = row["update"]
+    assert set(update) == {"conversation_packed", "conversation_plain_rows", "window_2_packed", "trl_one_sample"}
+    assert all(arm["cpu_s_per_step_sample"] > 0 for arm in update.values())
+    # a conversation's step samples packed forward its tokens once, as TRL's one sample does; the plain rows, each whole
+    assert update["conversation_packed"]["positions_forwarded"] <= update["trl_one_sample"]["positions_forwarded"]
+    assert row["ratios"]["plain_rows_vs_packed_positions"] > 1.5
+    rollout = row["rollout"]
+    assert rollout["prefix_cache"]["prompt_tokens"] == rollout["generate"]["prompt_tokens"]  # the same conversations
+    assert rollout["prefix_cache"]["prefill_tokens"] < rollout["generate"]["prompt_tokens"] / 2  # each token about once
+
+    monkeypatch.setattr("sys.argv", ["bench_conversation.py", "--model", tiny_model_path, "--layers", "1", "--first-turn",
+                                     "2", "3", "--shape", "12", "5", "3", "--repeats", "1", "--output", str(output)])
+    main()  # raises where the prefix cache's greedy tokens differ from generate's
+    first = json.loads((output / "bench_first_turn.json").read_text())
+    assert first["prompts"] == 6 and first["prefill_tokens"]["prefix_cache"] < first["prefill_tokens"]["generate"]
