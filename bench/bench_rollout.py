@@ -92,6 +92,8 @@ def bench_rollout(model: str, num_tasks: int, group_size: int, turns: int, token
     pool = trainer._pool("train", num_tasks, group_size)
 
     def rollout():
+        if trainer.prefix_cache is not None:  # as the trainer's own rollouts start (`GiGPOTrainer._play`)
+            trainer.prefix_cache.clear()
         return collect_rollout(pool, tasks, trainer._generate_turn, max_env_steps=turns,
                                dialogue=TextDialogue(trainer.dialogue.template, history_length), show_progress=False)
 
@@ -108,6 +110,8 @@ def bench_rollout(model: str, num_tasks: int, group_size: int, turns: int, token
             settings["max_new_tokens"] = settings["min_new_tokens"] = new_tokens
 
     def one_generation(new_tokens: int):
+        if trainer.prefix_cache is not None:
+            trainer.prefix_cache.clear()
         set_answer_length(new_tokens)
         try:
             return trainer._generate_single_turn(prompt_ids, None, {}, 1)[0]
