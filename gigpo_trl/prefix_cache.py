@@ -127,7 +127,7 @@ class PrefixCache:
         eos = _eos_ids(generation_config)
         self._kept = [kept for kept in self._kept if kept.shared and kept.used]
         for row, ids in enumerate(prompts):
-            answer = _until_eos(generated[row, :fed].tolist(), eos)
+            answer = until_eos(generated[row, :fed].tolist(), eos)
             self._kept.append(_Kept(np.concatenate([ids, np.asarray(answer, dtype=np.int64)]),
                                     _row_layers(output.past_key_values, row, attention_mask[row], len(answer)), False))
         return generated
@@ -236,7 +236,7 @@ def _eos_ids(generation_config) -> set[int]:
     return set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
 
 
-def _until_eos(ids: list[int], eos: set[int]) -> list[int]:
+def until_eos(ids: list[int], eos: set[int]) -> list[int]:
     """Generated ids up to their first end token, included."""
     for k, token in enumerate(ids):
         if token in eos:

@@ -36,7 +36,7 @@ from gigpo_trl.generation import (
 from gigpo_trl.loss import GiGPOLossMixin
 from gigpo_trl.metrics import PanelEpisode, RolloutTimes
 from gigpo_trl.models import resolve_model
-from gigpo_trl.prefix_cache import PrefixCache, prefix_cache_problem
+from gigpo_trl.prefix_cache import PrefixCache, prefix_cache_problem, until_eos
 from gigpo_trl.prompts import PromptTemplate, load_template, template_for
 from gigpo_trl.rollout import Rollout, collect_rollout
 from gigpo_trl.run_logs import RunLogsMixin
@@ -392,12 +392,7 @@ class GiGPOTrainer(GiGPOLossMixin, RunLogsMixin, GRPOTrainer):
         ):
             generated = self.prefix_cache.generate(model, prompt_ids, self.generation_config,
                                                    self._tokenizer.pad_token_id)
-        ends = set(self.eos_token_ids)
-        answers = []
-        for row in generated.tolist():
-            end = next((k for k, token in enumerate(row) if token in ends), len(row) - 1)
-            answers.append(row[: end + 1])
-        return answers, None
+        return [until_eos(row, set(self.eos_token_ids)) for row in generated.tolist()], None
 
     def _prefix_cache(self) -> PrefixCache | None:
         """The prefix cache of HF generation (`generation_prefix_cache`), or None: under vLLM (its own prefix caching
