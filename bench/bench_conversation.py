@@ -95,8 +95,8 @@ def update_trainer(model, tokenizer, rows_per_micro_batch: int, micro_batches: i
     return trainer
 
 
-def step_rows(trainer, episodes: list[dict], window: int | None) -> list[dict]:
-    """One micro-batch an episode: its T step samples (prompt, answer), random advantages."""
+def step_rows(trainer, episodes: list[dict], window: int | None, steps: list[int] | None = None) -> list[dict]:
+    """One micro-batch an episode: its T step samples (prompt, answer), or those of `steps`, random advantages."""
     from gigpo_trl.batch import loss_batch
     from gigpo_trl.dialogue import Completion
 
@@ -104,7 +104,7 @@ def step_rows(trainer, episodes: list[dict], window: int | None) -> list[dict]:
     micro_batches = []
     for conversation in episodes:
         completions = [Completion(step_prompt(conversation, t, window), answer, "")
-                       for t, answer in enumerate(conversation["answers"])]
+                       for t, answer in enumerate(conversation["answers"]) if steps is None or t in steps]
         micro_batches.append(loss_batch(trainer, completions, [1.0] * len(completions),
                                         [rng.gauss(0.0, 1.0) for _ in completions], "train"))
     return micro_batches
@@ -135,9 +135,16 @@ def whole_rows(trainer, episodes: list[dict]) -> list[dict]:
     return micro_batches
 
 
+def sampled_steps(steps: int, rows: int) -> list[int]:
+    """`rows` of `steps` steps, evenly spaced, the last one included (its prompt is the episode's longest)."""
+    return sorted({steps - 1 - k * max(1, steps // rows) for k in range(min(rows, steps))})
+
+
 def bench_update(model, tokenizer, episodes: list[dict], repeats: int, time_plain: bool = True) -> dict:
-    """The four arms' update of the same conversations (module docstring, 1); the plain rows' CPU time only where
-    `time_plain` (their positions are counted in any case)."""
+    """The four arms' update of the same conversations (module docstring, 1). Unless `time_plain`, the plain rows
+    are timed on one pass of each episode (PLAIN_ROWS_PER_PASS rows, `sampled_steps`): TRL pads a micro-batch's rows
+    to its longest, so with the episode's last step among them the pass has the shape, and the cost, of every pass of
+    the whole micro-batch; their positions are counted whole in any case."""
     steps = len(episodes[0]["answers"])
     answer = len(episodes[0]["answers"][0])
     longest = sum(map(len, episodes[0]["observations"][1:])) + steps * answer
@@ -152,19 +159,23 @@ def bench_update(model, tokenizer, episodes: list[dict], repeats: int, time_plai
         "window_2_packed": (step_trainer, step_rows(step_trainer, episodes, WINDOW), True),
         "trl_one_sample": (whole_trainer, whole_rows(whole_trainer, episodes), False),
     }
-    timed = [name for name in arms if time_plain or name != "conversation_plain_rows"]
+    timed_arms = dict(arms)
+    timed_rows = {name: steps * len(episodes) for name in arms}
+    if not time_plain:
+        sample = sampled_steps(steps, PLAIN_ROWS_PER_PASS)
+        sample_trainer = update_trainer(model, tokenizer, len(sample), len(episodes), answer)
+        timed_arms["conversation_plain_rows"] = (sample_trainer, step_rows(sample_trainer, episodes, None, sample), False)
+        timed_rows["conversation_plain_rows"] = len(sample) * len(episodes)
     runs: dict[str, list[float]] = {name: [] for name in arms}
     for _ in range(repeats):
-        for name in timed:
-            trainer, micro_batches, packed = arms[name]
+        for name, (trainer, micro_batches, packed) in timed_arms.items():
             runs[name].append(timed_update(trainer, micro_batches, packed)["cpu_s"])
-    samples = steps * len(episodes)
     figures = {}
     for name, (trainer, micro_batches, packed) in arms.items():
         real = sum(int((b["prompt_mask"].sum() + b["completion_mask"].sum()).item()) for b in micro_batches)
         figures[name] = {"positions_forwarded": positions_forwarded(trainer, micro_batches, packed), "real_tokens": real,
-                         "cpu_s_per_step_sample": min(runs[name]) / samples if runs[name] else None,
-                         "cpu_s_runs": runs[name]}
+                         "cpu_s_per_step_sample": min(runs[name]) / timed_rows[name], "cpu_s_runs": runs[name],
+                         "timed_step_samples": timed_rows[name]}
     return figures
 
 
@@ -272,8 +283,9 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2, help="layers of the random model")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--time-plain-up-to", type=int, default=20, metavar="T",
-                        help="time the plain rows' update up to this T (beyond it their tokens are counted only: at "
-                        "T = 50 they take most of an hour and several GB)")
+                        help="time the plain rows' whole update up to this T; beyond it, one pass of each episode's "
+                        f"rows ({PLAIN_ROWS_PER_PASS} rows padded to its longest, as every pass of it is; at T = 50 the "
+                        "whole update takes hours)")
     parser.add_argument("--skip-rollout", action="store_true", help="the update only")
     parser.add_argument("--first-turn", type=int, nargs=2, metavar=("TASKS", "COPIES"), default=None,
                         help="instead: one turn of windowed prompts, TASKS x COPIES (each task's copies alike) of the "
@@ -305,8 +317,7 @@ def main() -> None:
             "packed_vs_trl_cpu": packed["cpu_s_per_step_sample"] / update["trl_one_sample"]["cpu_s_per_step_sample"],
             "plain_rows_vs_packed_positions": plain["positions_forwarded"] / packed["positions_forwarded"],
         }
-        if plain["cpu_s_per_step_sample"] is not None:
-            row["ratios"]["plain_rows_vs_packed_cpu"] = plain["cpu_s_per_step_sample"] / packed["cpu_s_per_step_sample"]
+        row["ratios"]["plain_rows_vs_packed_cpu"] = plain["cpu_s_per_step_sample"] / packed["cpu_s_per_step_sample"]
         if "rollout" in row:
             rollout = row["rollout"]
             row["ratios"]["prefill_tokens_generate_vs_cache"] = (rollout["generate"]["prefill_tokens"]
