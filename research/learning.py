@@ -217,11 +217,11 @@ def main() -> None:
         parser.error(f"--reading-probe takes a number of updates >= 1, got {args.reading_probe}")
     if args.reading_probe is not None and settings["env_name"] != "rooms":
         parser.error(f"--reading-probe knows the right action of the rooms environment only, not {settings['env_name']!r}")
-    # One warmed model starts every arm: on prompts of the longest history any arm shows.
-    history = max(int(recipe_value(arguments, "history_length") or settings.get("history_length", 2))
-                  for arguments in ([*arm, *overrides] for arm in arms.values()))
     model = args.model
     if model is None and not args.analyze_only:
+        # One warmed model starts every arm: on prompts of the longest history any arm shows.
+        history = max(int(recipe_value(arguments, "history_length") or settings.get("history_length", 2))
+                      for arguments in ([*arm, *overrides] for arm in arms.values()))
         folder = "warm-tiny-model" + (f"-history{history}" if history else "")
         model = str(warm_up_format(args.output / folder, settings["env_name"], settings.get("env_kwargs") or {},
                                    settings["prompt_template"], history_length=history))
