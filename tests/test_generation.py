@@ -157,3 +157,22 @@ def test_vllm_sleep_mode_wakes_the_engine_once_per_rollout_not_once_per_turn(tmp
     assert engine.events == ["wake weights", "load weights", "wake kv_cache"] + ["generate"] * 4 + ["sleep 2"]
     assert engine.enable_sleep_mode and engine._llm_weights_sleeping  # asleep again, for the update
     trainer.close_environments()
+
+
+@pytest.mark.parametrize("prefix_cache", [True, False])
+def test_a_lora_model_generates_at_the_precision_it_trains_at(tmp_path, tiny_model_path, prefix_cache):
+    """fp32 weights under bf16 autocast (the CPU quickstart's set-up): accelerate puts the autocast on the prepared
+    model's forward, which a PEFT wrapper's `generate` never calls; generation must run at the training's precision
+    all the same, with the prefix cache and with TRL's `generate`."""
+    from peft import LoraConfig  # noqa: PLC0415
+
+    trainer = GiGPOTrainer(tiny_model_path, args=settings_config(tmp_path, bf16=True, use_cpu=True,
+                                                                 generation_prefix_cache=prefix_cache),
+                           train_dataset=task_dataset(range(8)), peft_config=LoraConfig(r=4, target_modules="all-linear"))
+    dtypes = []
+    layer = trainer.model.get_base_model().model.layers[0].mlp.down_proj.base_layer
+    hook = layer.register_forward_hook(lambda module, inputs, output: dtypes.append(output.dtype))
+    trainer._generate_turn([[{"role": "user", "content": "Go."}]], [None])
+    hook.remove()
+    assert dtypes and set(dtypes) == {torch.bfloat16}
+    assert next(trainer.model.parameters()).dtype == torch.float32
