@@ -16,6 +16,7 @@ from gigpo_trl.envs import (
     ANCHOR_KINDS, INFO_ADMISSIBLE_ACTIONS, INFO_ANCHOR, INFO_ANCHOR_KIND, INFO_TASK, INFO_WON, TextEnv, anchor_of,
     info_metrics,
 )
+from gigpo_trl.observations import observation_key, readable, split_observation
 
 
 class EnvCheckError(ValueError):
@@ -27,7 +28,8 @@ class EnvCheckWarning(UserWarning):
 
 
 def check_env(env: TextEnv, *, seed: int = 0, options: dict[str, Any] | None = None, num_steps: int = 20) -> None:
-    """Check `env` against the contract: types, determinism of `reset` by seed, hashable anchors,
+    """Check `env` against the contract: types (observations: text, PIL images or content blocks of both,
+    `gigpo_trl.observations`), determinism of `reset` by seed (an image by its pixels), hashable anchors,
     well-formed `info` keys, per-step rewards. The environment is reset and stepped (with its
     admissible actions in turn, or "look") and closed at the end.
 
@@ -44,13 +46,15 @@ def check_env(env: TextEnv, *, seed: int = 0, options: dict[str, Any] | None = N
         if not callable(getattr(env, method, None)):
             raise EnvCheckError(f"the environment has no {method}() method")
 
-    observation, info = _checked_reset(env, seed, options)
-    again, info_again = _checked_reset(env, seed, options)
-    if (again, anchor_of(again, info_again)) != (observation, anchor_of(observation, info)):
+    (observation, images), info = _checked_reset(env, seed, options)
+    (again, images_again), info_again = _checked_reset(env, seed, options)
+    if (observation_key(again, images_again), anchor_of(again, info_again, images_again)) != (
+            observation_key(observation, images), anchor_of(observation, info, images)):
         raise EnvCheckError(
             f"reset(seed={seed}) is not deterministic: two resets gave different "
-            + ("observations" if again != observation else "anchors")
-            + f" ({_short(observation)} vs {_short(again)}). GiGPO resets N copies of a task with the same seed "
+            + ("observations" if observation_key(again, images_again) != observation_key(observation, images)
+               else "anchors")
+            + f" ({_short(readable(observation, images))} vs {_short(readable(again, images_again))}). GiGPO resets N copies of a task with the same seed "
             "and groups their steps by state: an environment that ignores its seed leaves every step group a singleton."
         )
 
@@ -67,13 +71,14 @@ def check_env(env: TextEnv, *, seed: int = 0, options: dict[str, Any] | None = N
     env.close()
 
 
-def _checked_reset(env: TextEnv, seed: int, options: dict[str, Any] | None) -> tuple[str, Mapping[str, Any]]:
+def _checked_reset(env: TextEnv, seed: int, options: dict[str, Any] | None
+                   ) -> tuple[tuple[str, tuple[Any, ...]], Mapping[str, Any]]:
+    """The observation of a reset as (text, images), and its info."""
     result = env.reset(seed=seed, options=options)
     if not (isinstance(result, tuple) and len(result) == 2):
         raise EnvCheckError(f"reset() must return (observation, info), got {_short(result)}")
     observation, info = result
-    _check_observation_and_info(observation, info, "reset()")
-    return observation, info
+    return _check_observation_and_info(observation, info, "reset()"), info
 
 
 def _play(env: TextEnv, info: Mapping[str, Any], num_steps: int, actions: list[str] | None = None) -> list[tuple[str, Any]]:
@@ -88,7 +93,7 @@ def _play(env: TextEnv, info: Mapping[str, Any], num_steps: int, actions: list[s
             raise EnvCheckError(f"step() must return (observation, reward, terminated, truncated, info), got {_short(result)}")
         observation, reward, terminated, truncated, info = result
         where = f"step({action!r})"
-        _check_observation_and_info(observation, info, where)
+        text, images = _check_observation_and_info(observation, info, where)
         if isinstance(reward, bool) or not isinstance(reward, numbers.Real) or not math.isfinite(reward):
             raise EnvCheckError(f"{where} returned reward {reward!r}: the reward must be a finite number")
         for name, flag in (("terminated", terminated), ("truncated", truncated)):
@@ -104,15 +109,19 @@ def _play(env: TextEnv, info: Mapping[str, Any], num_steps: int, actions: list[s
                 stacklevel=3,
             )
         previous_score = score if isinstance(score, numbers.Real) else previous_score
-        trajectory.append((action, (observation, float(reward), bool(terminated), bool(truncated), anchor_of(observation, info))))
+        trajectory.append((action, (observation_key(text, images), float(reward), bool(terminated), bool(truncated),
+                                    anchor_of(text, info, images))))
         if terminated or truncated:
             break
     return trajectory
 
 
-def _check_observation_and_info(observation: Any, info: Any, where: str) -> None:
-    if not isinstance(observation, str):
-        raise EnvCheckError(f"{where} returned an observation of type {type(observation).__name__}; it must be a str")
+def _check_observation_and_info(observation: Any, info: Any, where: str) -> tuple[str, tuple[Any, ...]]:
+    """The observation as (text, images), once it and `info` are checked."""
+    try:
+        text, images = split_observation(observation, f"{where}'s observation")
+    except (TypeError, ValueError) as exc:
+        raise EnvCheckError(str(exc)) from None
     if not isinstance(info, Mapping):
         raise EnvCheckError(f"{where} returned info of type {type(info).__name__}; it must be a dict")
     if INFO_ANCHOR in info:
@@ -133,6 +142,7 @@ def _check_observation_and_info(observation: Any, info: Any, where: str) -> None
         info_metrics(info)
     except ValueError as exc:
         raise EnvCheckError(f"{where}: {exc}") from None
+    return text, images
 
 
 def _is_bool(value: Any) -> bool:

@@ -33,6 +33,7 @@ from typing import Any
 from gigpo_trl.envs import ANCHOR_KINDS, INFO_ANCHOR_KIND, EnvOutput, TextEnv
 from gigpo_trl.fork_server import ForkServer, release_inherited_sockets, threads_at_fork
 from gigpo_trl.metric_names import ENV_ERROR_SHARE
+from gigpo_trl.observations import split_observation
 from gigpo_trl.tasks import Task
 
 INFO_ENV_ERROR = "env_error"
@@ -101,7 +102,7 @@ class EnvPool:
         self.processes = processes
         self.name = name or getattr(env_fn, "__name__", repr(env_fn))
         self.num_restarts = self.num_start_failures = 0
-        self._last_observations = [""] * self.num_envs
+        self._last_observations: list[tuple[str, tuple[Any, ...]]] = [("", ())] * self.num_envs
         if processes:
             method = start_method or ("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
             self._context = multiprocessing.get_context(method)
@@ -188,9 +189,10 @@ class EnvPool:
         for i, (status, payload) in replies.items():
             if status == "ok":
                 outputs[i] = payload
-                self._last_observations[i] = payload.observation
+                self._last_observations[i] = payload.observation, payload.images
             else:
-                outputs[i] = EnvOutput(self._last_observations[i], truncated=True, info={INFO_ENV_ERROR: payload})
+                text, images = self._last_observations[i]
+                outputs[i] = EnvOutput(text, truncated=True, info={INFO_ENV_ERROR: payload}, images=images)
                 warnings.warn(f"environment {self.name!r} #{i} failed and {then}: {payload}", EnvironmentFailureWarning,
                               stacklevel=stacklevel)
         return outputs
@@ -322,11 +324,13 @@ def _execute(env: TextEnv, command: str, argument: Any) -> EnvOutput:
     """Run one reset or step on `env` and normalize what it returns."""
     if command == "reset":
         observation, info = env.reset(seed=argument.seed, options=argument.options)
-        return EnvOutput(str(observation), info=dict(info))
+        text, images = split_observation(observation, "reset()'s observation")
+        return EnvOutput(text, info=dict(info), images=images)
     observation, reward, terminated, truncated, info = env.step(argument)
     if not math.isfinite(float(reward)):  # would poison the group's advantages: a failure of this trajectory
         raise ValueError(f"step returned a non-finite reward ({reward})")
-    return EnvOutput(str(observation), float(reward), bool(terminated), bool(truncated), dict(info))
+    text, images = split_observation(observation, "step()'s observation")
+    return EnvOutput(text, float(reward), bool(terminated), bool(truncated), dict(info), images)
 
 
 def _describe(exc: BaseException) -> str:

@@ -1,16 +1,19 @@
 """The environment contract, the environment registry and `make_env`.
 
-An environment is any object with Gymnasium's API, with text in and text out, so a `gymnasium.Env`
+An environment is any object with Gymnasium's API, with text in and text (or images) out, so a `gymnasium.Env`
 whose observations and actions are strings plugs in unchanged:
 
     obs, info = env.reset(seed=S, options=task_or_None)
     obs, reward, terminated, truncated, info = env.step(action)      # action: str
     env.close()
 
-- `obs` is the clean text the agent sees; `reward` is the reward of this step (not cumulative).
+- `obs` is what the agent sees: clean text, or a PIL image, or a list of content blocks mixing text and images as
+  TRL's environment classes return them (`gigpo_trl.observations`); `reward` is the reward of this step (not
+  cumulative).
 - The same `seed` and `options` give the same initial state (and so the same initial anchor).
 - Optional `info` keys:
-    `anchor`             hashable exact key of the state the next action is taken in (default: `obs`)
+    `anchor`             hashable exact key of the state the next action is taken in (default: `obs`; for an
+                         observation with images, its text and a digest of each image's pixels)
     `admissible_actions` list of str, the actions that make sense now
     `won`                bool, the task is solved; the success rates count it (an environment that never
                          gives it logs no success rate: unknown, not 0)
@@ -45,6 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from gigpo_trl.metric_names import ENV_PREFIX, TRAINER_ENV_METRICS
+from gigpo_trl.observations import observation_key
 
 INFO_ANCHOR = "anchor"
 INFO_ADMISSIBLE_ACTIONS = "admissible_actions"
@@ -100,20 +104,23 @@ FOLDS = ("train", "dev", "test")
 DEFAULT_FOLD_STARTS = {"train": 0, "dev": 1_000_000, "test": 2_000_000}
 
 
-def anchor_of(observation: str, info: Mapping[str, Any]) -> Hashable:
-    """The anchor key of a state: `info["anchor"]` when the environment gives one, else the observation."""
-    return info.get(INFO_ANCHOR, observation)
+def anchor_of(observation: str, info: Mapping[str, Any], images: tuple[Any, ...] = ()) -> Hashable:
+    """The anchor key of a state: `info["anchor"]` when the environment gives one, else the observation (its text,
+    and its images' digests where it has images: `gigpo_trl.observations.observation_key`)."""
+    return info[INFO_ANCHOR] if INFO_ANCHOR in info else observation_key(observation, images)
 
 
 @dataclass
 class EnvOutput:
-    """What one environment returned for one reset or step, in one shape (reset: reward 0, not terminated)."""
+    """What one environment returned for one reset or step, in one shape (reset: reward 0, not terminated).
+    `observation` is its text, with `gigpo_trl.observations.IMAGE_MARKER` where each of `images` stands."""
 
     observation: str
     reward: float = 0.0
     terminated: bool = False
     truncated: bool = False
     info: dict[str, Any] = field(default_factory=dict)
+    images: tuple[Any, ...] = ()
 
     @property
     def done(self) -> bool:
@@ -121,7 +128,7 @@ class EnvOutput:
 
     @property
     def anchor(self) -> Any:
-        return anchor_of(self.observation, self.info)
+        return anchor_of(self.observation, self.info, self.images)
 
 
 # Name -> factory, or "module:attribute" of a factory imported on first use (keeps heavy
@@ -130,6 +137,7 @@ _REGISTRY: dict[str, EnvFactory | str] = {
     "rooms": "gigpo_trl.environments.rooms:RoomsEnv",
     "compass": "gigpo_trl.environments.compass:CompassEnv",
     "sokoban": "gigpo_trl.environments.sokoban:SokobanEnv",
+    "visual_sokoban": "gigpo_trl.environments.visual_sokoban:VisualSokobanEnv",
     "textworld": "gigpo_trl.environments.textworld_games:TextWorldEnv",
     "textworld_express": "gigpo_trl.environments.textworld_express_games:TextWorldExpressEnv",
     "openenv": "gigpo_trl.environments.openenv_adapter:OpenEnvAdapter",
@@ -140,6 +148,7 @@ _REGISTRY: dict[str, EnvFactory | str] = {
 # "module:attribute" of one imported on first use; a name without one gets the generic template.
 _PROMPT_TEMPLATES: dict[str, Any] = {
     "sokoban": "gigpo_trl.environments.sokoban:PROMPT_TEMPLATE",
+    "visual_sokoban": "gigpo_trl.environments.visual_sokoban:PROMPT_TEMPLATE",
 }
 
 

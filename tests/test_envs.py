@@ -116,7 +116,8 @@ class _Broken(Corridor):
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        ({"observation": ["cell", 0]}, "observation of type list; it must be a str"),
+        ({"observation": ["cell", 0]}, "observation, block 0: a content block is"),
+        ({"observation": 7}, "observation is a int; it must be a str, a PIL image, or a list of content blocks"),
         ({"info": {"anchor": ["cell", 0]}}, r"info\['anchor'\] must be hashable"),
         ({"info": {"admissible_actions": "left"}}, r"info\['admissible_actions'\] must be a list of str"),
         ({"info": {"won": "no"}}, r"info\['won'\] must be a bool"),
