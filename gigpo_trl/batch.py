@@ -22,6 +22,27 @@ if TYPE_CHECKING:
     from trl import GRPOTrainer
 
 
+def image_batch(completions: Sequence[Completion], device: torch.device | str = "cpu") -> dict[str, Any]:
+    """The image inputs of a batch's rows in TRL's layout (what `GRPOTrainer._get_per_token_logps_and_entropies`
+    slices per row): each key's tensors of the rows that have images (`Completion.image_inputs`) concatenated on
+    their first dimension, in row order, and `num_images`, a list with each row's image count (0 for a row without).
+    {} when no row has an image.
+
+    Raises:
+        ValueError: rows whose processor outputs hold different keys.
+    """
+    rows = [completion.image_inputs for completion in completions]
+    if not any(rows):
+        return {}
+    keys = {frozenset(key for key in inputs if key != "num_images") for inputs in rows if inputs}
+    if len(keys) > 1:
+        raise ValueError(f"the rows' image inputs hold different keys ({sorted(map(sorted, keys))}): every prompt "
+                         "with images must come from the same processor")
+    batch: dict[str, Any] = {key: torch.cat([inputs[key] for inputs in rows if inputs]).to(device)
+                             for key in sorted(next(iter(keys)))}
+    return batch | {"num_images": [inputs["num_images"] if inputs else 0 for inputs in rows]}
+
+
 def rows_for_update(num_samples: int, *, chunks: int, max_across_processes: Callable[[int], int]) -> tuple[list[int], list[float]]:
     """Which samples form this process's rows, and their loss weights: every sample, then padding rows.
 
@@ -170,9 +191,12 @@ def loss_batch(trainer: GRPOTrainer, completions: Sequence[Completion], weights:
         trainer.args.per_device_train_batch_size if mode == "train" else trainer.args.per_device_eval_batch_size
     )
 
+    images = image_batch(completions, device)
+    batch |= images
+
     def log_probs(model: Any) -> torch.Tensor:
         return trainer._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
-                                                          batch_size=forward_batch)[0]
+                                                          batch_size=forward_batch, **images)[0]
 
     with torch.no_grad(), disable_gradient_checkpointing(trainer.model, trainer.args.gradient_checkpointing_kwargs):
         # Same rule as GRPOTrainer: old log-probs only when updates run off-policy or vLLM sampled.

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from gigpo_trl.envs import INFO_ADMISSIBLE_ACTIONS, INFO_TASK, EnvOutput
+from gigpo_trl.observations import content_blocks
 from gigpo_trl.parsing import ParsedAction, parse_action
 from gigpo_trl.prompts import PromptTemplate, build_messages
 
@@ -41,6 +42,11 @@ class Completion:
     # Conversation mode's context management (`context_overflow` 'drop_oldest'): the oldest exchanges dropped from
     # the conversation for this answer's prompt to fit the model's context (`without_oldest_exchanges`).
     dropped_exchanges: int = 0
+    # A prompt with images: the processor's image tensors of this prompt alone (`pixel_values` and the keys that
+    # describe them, such as `image_sizes` or `image_grid_thw`, one entry per image on their first dimension, or per
+    # patch with `image_grid_thw`), with `num_images`: what the answer was generated from, and what every forward
+    # pass of the update reads this row with (`gigpo_trl.batch.image_batch`).
+    image_inputs: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -101,10 +107,11 @@ TurnGenerator = Callable[[list[Prompt], list[Tools | None]], list[Completion | P
 class Exchange:
     """One past step of a trajectory, as later prompts may show it."""
 
-    observation: str  # what the agent saw
+    observation: str  # what the agent saw (its text, `IMAGE_MARKER` where each of `observation_images` stands)
     action: ParsedAction  # what its answer became
     result: EnvOutput  # what the environment returned
     completion: Completion  # the answer as generated
+    observation_images: tuple[Any, ...] = ()
 
 
 class Dialogue(Protocol):
@@ -130,31 +137,48 @@ class Dialogue(Protocol):
     def read(self, completion: Completion, start: EnvOutput, current: EnvOutput) -> ParsedAction: ...
 
 
+NO_IMAGES_IN_CONVERSATIONS = (
+    "conversation mode (history_length 'conversation') does not take image observations yet (each prompt extends the "
+    "previous one's token ids, and an image's tokens come from the processor with its pixels): show a window of "
+    "history instead (history_length K, 0 for none)")
+
+
 @dataclass(frozen=True)
 class TextDialogue:
     """Text environments: `build_messages` prompts (task, the last `history_length` (observation, action) pairs, the
     observation, the admissible actions, the answer format) and answers read by `parse_action`; no tools. In
     conversation mode (`history_length` None) the first prompt is `build_messages`'s without history, each answer is
-    shown as the assistant's message and each later observation as a user message of the same wording (no task)."""
+    shown as the assistant's message and each later observation as a user message of the same wording (no task).
+
+    Observations with images (`gigpo_trl.observations`): the step's user message is content blocks, each image where
+    the template shows its observation (the history's shown observations, then the current one)."""
 
     template: PromptTemplate | None = None
     history_length: int | None = 2
 
     def prompt(self, start: EnvOutput, current: EnvOutput, history: Sequence[Exchange], step: int) -> Messages:
-        return build_messages(
+        history_length = self.history_length or 0
+        messages = build_messages(
             current.observation,
             step=step,
             task=current.info.get(INFO_TASK),
             history=[(past.observation, past.action.action) for past in history],
             admissible_actions=current.info.get(INFO_ADMISSIBLE_ACTIONS),
-            history_length=self.history_length or 0,
+            history_length=history_length,
             template=self.template,
         )
+        shown = list(history)[len(history) - history_length:] if history_length else []
+        images = (*(image for past in shown for image in past.observation_images), *current.images)
+        if images and self.history_length is None:
+            raise ValueError(NO_IMAGES_IN_CONVERSATIONS)
+        return [*messages[:-1], {**messages[-1], "content": content_blocks(messages[-1]["content"], images)}]
 
     def reply(self, past: Exchange) -> dict[str, Any]:
         return {"role": "assistant", "content": past.completion.text}
 
     def turn(self, past: Exchange, step: int) -> Messages:
+        if past.result.images:
+            raise ValueError(NO_IMAGES_IN_CONVERSATIONS)
         current = build_messages(past.result.observation, step=step,
                                  admissible_actions=past.result.info.get(INFO_ADMISSIBLE_ACTIONS), history_length=0,
                                  template=self.template)

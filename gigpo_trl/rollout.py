@@ -26,6 +26,7 @@ from gigpo_trl.dialogue import (
 from gigpo_trl.env_pool import INFO_ENV_ERROR, EnvPool
 from gigpo_trl.envs import INFO_ANCHOR_KIND, INFO_TASK_TYPE, INFO_WON, EnvOutput, info_metrics
 from gigpo_trl.loops import EpisodeLoops, episode_loops
+from gigpo_trl.observations import readable
 from gigpo_trl.tasks import Task
 
 @dataclass
@@ -38,7 +39,7 @@ class StepColumns:
     trajectory: list[int] = field(default_factory=list)  # environment index in the pool
     step: list[int] = field(default_factory=list)  # t, 0-based
     anchor: list[Hashable] = field(default_factory=list)  # state the action was taken in
-    observation: list[str] = field(default_factory=list)
+    observation: list[str] = field(default_factory=list)  # its text, each image as "[image WxH]"
     # The chat messages the answer was generated from (in conversation mode, the conversation so far, the answers as
     # their text: the completion's prompt ids are what the model read)
     prompt: list[Messages] = field(default_factory=list)
@@ -225,10 +226,10 @@ def collect_rollout(
             shown[i] = without_oldest_exchanges(prompt_messages(prompt), completion.dropped_exchanges)
             rollout.steps.append(
                 group=episode.group, trajectory=i, step=t, anchor=current[i].anchor,
-                observation=current[i].observation, prompt=shown[i], completion=completion,
+                observation=readable(current[i].observation, current[i].images), prompt=shown[i], completion=completion,
                 action=parsed[i].action, valid=parsed[i].valid, reward=result.reward,
             )
-            histories[i].append(Exchange(current[i].observation, parsed[i], result, completion))
+            histories[i].append(Exchange(current[i].observation, parsed[i], result, completion, current[i].images))
             episode.length += 1
             episode.episode_return += result.reward
             episode.final_anchor = result.anchor

@@ -11,6 +11,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 from accelerate.utils import gather_object
 from trl.models import unwrap_model_for_generation
@@ -31,11 +32,13 @@ from gigpo_trl.env_pool import EnvPool
 from gigpo_trl.envs import TextEnv, env_factory
 from gigpo_trl.fork_server import ForkServer
 from gigpo_trl.generation import (
-    completions_from_tokens, greedy_decoding, over_long_prompts, prompt_token_limit, vllm_awake,
+    completions_from_tokens, generation_image_inputs, greedy_decoding, over_long_prompts, prompt_token_limit,
+    vllm_awake,
 )
 from gigpo_trl.loss import GiGPOLossMixin
 from gigpo_trl.metrics import PanelEpisode, RolloutTimes
 from gigpo_trl.models import resolve_model
+from gigpo_trl.observations import message_images
 from gigpo_trl.prefix_cache import PrefixCache, prefix_cache_problem, until_eos
 from gigpo_trl.prompts import PromptTemplate, load_template, template_for
 from gigpo_trl.rollout import Rollout, collect_rollout
@@ -351,7 +354,7 @@ class GiGPOTrainer(GiGPOLossMixin, RunLogsMixin, GRPOTrainer):
         conversation's continued prompt is extended by its new turn's ids, `ChatTurns`), through TRL's generation
         backends. A prompt of more than `prompt_token_limit` tokens is not generated from (`PromptTooLong`; the dummy
         prompt takes its place in the call, which keeps every process's call alike)."""
-        prompt_ids = self._prompt_ids(prompts, tools)
+        prompt_ids, image_inputs = self._prompt_inputs(prompts, tools)
         too_long = over_long_prompts(prompt_ids, self.prompt_token_limit)
         dropped: dict[int, int] = {}
         if self.args.context_overflow == "drop_oldest":
@@ -363,13 +366,17 @@ class GiGPOTrainer(GiGPOLossMixin, RunLogsMixin, GRPOTrainer):
         if too_long:
             dummy = self._tokenize_prompts([DUMMY_PROMPT])[0][0]
             prompt_ids = [dummy if k in too_long else ids for k, ids in enumerate(prompt_ids)]
-        completion_ids, logprobs = self._generate_single_turn(prompt_ids, None, {}, 1)
+            image_inputs = [None if k in too_long else inputs for k, inputs in enumerate(image_inputs)]
+        images, fields = generation_image_inputs(prompts, image_inputs)
+        completion_ids, logprobs = self._generate_single_turn(prompt_ids, images, fields, 1)
         completions = completions_from_tokens(
             prompt_ids, completion_ids, logprobs, eos_token_id=self.eos_token_ids[0],
             decode=lambda ids: self._tokenizer.decode(ids, skip_special_tokens=True),
         )
         for k, count in dropped.items():
             completions[k].dropped_exchanges = count
+        for completion, inputs in zip(completions, image_inputs):
+            completion.image_inputs = inputs
         return [PromptTooLong(too_long[k], self.prompt_token_limit) if k in too_long else completion
                 for k, completion in enumerate(completions)]
 
@@ -437,17 +444,40 @@ class GiGPOTrainer(GiGPOLossMixin, RunLogsMixin, GRPOTrainer):
         return fitting
 
     def _prompt_ids(self, prompts: list[Prompt], tools: list[Tools | None]) -> list[list[int]]:
-        """The token ids of a turn's prompts: chat messages rendered by the template (with their tools), continued
-        prompts as their previous ids and their new turn's."""
-        written = [k for k, prompt in enumerate(prompts) if not isinstance(prompt, ContinuedPrompt)]
+        """The token ids of a turn's prompts (`_prompt_inputs`)."""
+        return self._prompt_inputs(prompts, tools)[0]
+
+    def _prompt_inputs(self, prompts: list[Prompt], tools: list[Tools | None]
+                       ) -> tuple[list[list[int]], list[dict[str, Any] | None]]:
+        """The token ids of a turn's prompts, and each one's image inputs (None without images): chat messages
+        rendered by the template (with their tools), continued prompts as their previous ids and their new turn's,
+        and a prompt with images by the processor alone, its ids with the image tokens the processor writes and its
+        pixel values (`Completion.image_inputs`)."""
+        with_images = {k for k, prompt in enumerate(prompts)
+                       if not isinstance(prompt, ContinuedPrompt) and message_images(prompt)}
+        if with_images and not self._is_vlm:
+            raise ValueError(
+                f"environment {self.env_name!r} returned image observations, but the model reads text only (its "
+                f"processing_class is a {type(self.processing_class).__name__}): train a vision-language model, whose "
+                "processor GiGPOTrainer loads with it, or give it the processor (processing_class=AutoProcessor...)")
+        ids: dict[int, list[int]] = {}
+        image_inputs: list[dict[str, Any] | None] = [None] * len(prompts)
+        for k in with_images:
+            rendered, _, fields = self._tokenize_prompts([prompts[k]])
+            ids[k] = list(rendered[0])
+            image_inputs[k] = {"num_images": len(message_images(prompts[k])),
+                               **{key: torch.as_tensor(np.asarray(value)) for key, value in fields.items()}}
+        written = [k for k, prompt in enumerate(prompts)
+                   if not isinstance(prompt, ContinuedPrompt) and k not in with_images]
         if any(tools):
             rendered = [self.processing_class.apply_chat_template(
                 prompts[k], tools=tools[k] or None, add_generation_prompt=True, tokenize=True, return_dict=True,
                 chat_template=self.chat_template, **self.chat_template_kwargs)["input_ids"] for k in written]
         else:
             rendered = self._tokenize_prompts([prompts[k] for k in written])[0] if written else []
-        ids: dict[int, list[int]] = {k: list(r) for k, r in zip(written, rendered)}
-        return [ids[k] if k in ids else self.chat_turns.prompt_ids(prompt) for k, prompt in enumerate(prompts)]
+        ids |= {k: list(r) for k, r in zip(written, rendered)}
+        return [ids[k] if k in ids else self.chat_turns.prompt_ids(prompt) for k, prompt in enumerate(prompts)], \
+            image_inputs
 
     def _chat_turns(self, turn_role: str) -> ChatTurns:
         """Conversation mode's turns (`gigpo_trl.conversation`) in the chat template prompts are rendered with. A

@@ -22,7 +22,8 @@ from bench.gpu_check import deepspeed_launcher
 from gigpo_trl.config import GiGPOConfig
 from gigpo_trl.env_checker import check_env
 from gigpo_trl.envs import make_env, registered_envs
-from gigpo_trl.records import read_evaluations, read_iterations
+from gigpo_trl.models import build_tiny_vlm
+from gigpo_trl.records import read_evaluations, read_iterations, read_trajectories
 from gigpo_trl.tasks import TaskArguments
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
@@ -146,3 +147,16 @@ def test_the_environment_class_recipe_trains_evaluates_and_reports(tmp_path, too
     assert result.returncode == 0, result.stderr[-4000:]
     assert "Held-out games won (2):" in result.stdout and (tmp_path / "report" / "index.html").is_file()
     assert [record["metrics"]["env/panel_tasks"] for record in read_evaluations(tmp_path)] == [2, 2]
+
+
+@pytest.mark.timeout(600)
+def test_the_visual_sokoban_recipe_trains_a_tiny_vlm_adapter_on_cpu(tmp_path):
+    model_dir = str(build_tiny_vlm(tmp_path / "tiny-vlm"))
+    result = run_recipe([sys.executable], model_dir, tmp_path / "run", "visual_sokoban_smoke_cpu.yaml")
+
+    assert "Held-out success rate (2 tasks):" in result.stdout
+    assert (tmp_path / "run" / "adapter_model.safetensors").is_file()
+    episodes = [episode for name, records in read_trajectories(tmp_path / "run").items() if name.startswith("train")
+                for episode in records]
+    steps = [step for episode in episodes for step in episode["steps"]]
+    assert steps and all(step["observation"] == "[image 96x96]" for step in steps)
