@@ -11,13 +11,13 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import torch
 from accelerate.utils import gather_object
 from trl.models import unwrap_model_for_generation
 from datasets import Dataset
 from trl import GRPOTrainer
 from trl.chat_template_utils import get_training_chat_template
+from trl.data_utils import prepare_multimodal_messages
 
 from gigpo_trl.advantages import GiGPOAdvantages, compute_gigpo_advantages
 from gigpo_trl.batch import loss_batch, rows_for_update
@@ -462,11 +462,14 @@ class GiGPOTrainer(GiGPOLossMixin, RunLogsMixin, GRPOTrainer):
                 "processor GiGPOTrainer loads with it, or give it the processor (processing_class=AutoProcessor...)")
         ids: dict[int, list[int]] = {}
         image_inputs: list[dict[str, Any] | None] = [None] * len(prompts)
-        for k in with_images:
-            rendered, _, fields = self._tokenize_prompts([prompts[k]])
-            ids[k] = list(rendered[0])
+        for k in with_images:  # one at a time: each row keeps its own processor tensors
+            rendered = self.processing_class.apply_chat_template(
+                [prepare_multimodal_messages(prompts[k])], tools=tools[k] or None, add_generation_prompt=True,
+                tokenize=True, return_dict=True, return_tensors="pt", chat_template=self.chat_template,
+                **self.chat_template_kwargs)
+            ids[k] = rendered["input_ids"][0].tolist()
             image_inputs[k] = {"num_images": len(message_images(prompts[k])),
-                               **{key: torch.as_tensor(np.asarray(value)) for key, value in fields.items()}}
+                               **{key: value for key, value in rendered.items() if key not in ("input_ids", "attention_mask")}}
         written = [k for k, prompt in enumerate(prompts)
                    if not isinstance(prompt, ContinuedPrompt) and k not in with_images]
         if any(tools):

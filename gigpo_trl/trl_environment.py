@@ -63,7 +63,8 @@ import numpy as np
 
 from gigpo_trl.env_base import BaseTextEnv
 from gigpo_trl.envs import INFO_ANCHOR, INFO_ANCHOR_KIND, INFO_TASK, INFO_TASK_TYPE, INFO_WON
-from gigpo_trl.dialogue import Completion, Exchange, Messages, Tools
+from gigpo_trl.dialogue import NO_IMAGES_IN_CONVERSATIONS, Completion, Exchange, Messages, Tools
+from gigpo_trl.observations import message_images
 from gigpo_trl.parsing import ParsedAction
 
 ANCHOR_MODES = ("state", "tool_calls")
@@ -229,7 +230,7 @@ class TRLEnvironment(BaseTextEnv):
         self._calls: list[tuple[str, str]] = []
         self._reward_so_far = 0.0
 
-    def _reset(self, seed: int | None, options: dict[str, Any] | None) -> tuple[str, dict[str, Any]]:
+    def _reset(self, seed: int | None, options: dict[str, Any] | None) -> tuple[str | Messages, dict[str, Any]]:
         row = dict(options or {})
         self._name = row.pop("environment", None) if self._routed else None
         if self._name not in self._factories:
@@ -242,17 +243,24 @@ class TRLEnvironment(BaseTextEnv):
             np.random.seed(seed % 2**32)
         observation = self._resolved(self.environment.reset(**row))
         prompt = [dict(message) for message in row.get("prompt") or EMPTY_PROMPT]
-        if observation is not None:  # appended to the last message, as TRL does
-            prompt[-1]["content"] = prompt[-1]["content"] + str(observation)
+        if observation is not None:  # appended to the last message, as TRL does (content blocks with blocks)
+            content = prompt[-1]["content"]
+            if not isinstance(observation, list):
+                observation = str(observation)
+            if isinstance(observation, list) and isinstance(content, str):
+                content = [{"type": "text", "text": content}]
+            if isinstance(observation, str) and isinstance(content, list):
+                observation = [{"type": "text", "text": observation}]
+            prompt[-1] = {**prompt[-1], "content": content + observation}
         self._row, self._prompt, self._completion, self._calls, self._reward_so_far = row, prompt, [], [], 0.0
         info = {**self._info(), INFO_PROMPT: prompt, INFO_TOOLS: tool_schemas(self.environment)}
         if self.anchor_mode == "tool_calls":  # a history of calls, never repeated: no loop metrics (gigpo_trl.loops)
             info[INFO_ANCHOR_KIND] = "history"
         if isinstance(prompt[-1]["content"], str):
             info[INFO_TASK] = prompt[-1]["content"]
-        return prompt[-1]["content"] if isinstance(prompt[-1]["content"], str) else "", info
+        return prompt[-1]["content"], info
 
-    def _step(self, action: str) -> tuple[str, float, bool, dict[str, Any]]:
+    def _step(self, action: str) -> tuple[str | Messages, float, bool, dict[str, Any]]:
         message = json.loads(action)
         calls = message.get("tool_calls") or []
         tool_messages = [self._call(call) for call in calls]
@@ -262,8 +270,7 @@ class TRLEnvironment(BaseTextEnv):
             value = float(self._resolved(self.environment.get_reward()))
             reward, self._reward_so_far = value - self._reward_so_far, value
         terminated = not calls or bool(getattr(self.environment, "done", False))
-        observation = "\n".join(str(m["content"]) for m in tool_messages)
-        return observation, reward, terminated, {**self._info(), INFO_TOOL_MESSAGES: tool_messages}
+        return _tool_observation(tool_messages), reward, terminated, {**self._info(), INFO_TOOL_MESSAGES: tool_messages}
 
     def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
         """`BaseTextEnv.step`, with the reward functions' reward added to an episode's last step."""
@@ -362,7 +369,10 @@ class ToolCallDialogue:
         return json.loads(past.action.action)
 
     def turn(self, past: Exchange, step: int) -> Messages:
-        return list(past.result.info.get(INFO_TOOL_MESSAGES, []))
+        messages = list(past.result.info.get(INFO_TOOL_MESSAGES, []))
+        if self.history_length is None and message_images(messages):
+            raise ValueError(NO_IMAGES_IN_CONVERSATIONS)
+        return messages
 
     def tools(self, start: EnvOutput) -> Tools:
         return start.info[INFO_TOOLS]
@@ -375,6 +385,16 @@ class ToolCallDialogue:
         malformed = (self.tool_call_opening is not None and not message.get("tool_calls")
                      and self.tool_call_opening in completion.text)
         return ParsedAction(json.dumps(message), valid=not malformed)
+
+
+def _tool_observation(tool_messages: Messages) -> str | list[dict[str, Any]]:
+    """What a step's tool messages are as an observation (`gigpo_trl.observations`): their contents joined by
+    newlines, as text, or as content blocks where a tool returned some (an image, say)."""
+    blocks = [block for message in tool_messages for block in (
+        message["content"] if isinstance(message["content"], list) else [{"type": "text", "text": str(message["content"])}])]
+    if all(block.get("type") == "text" for block in blocks):
+        return "\n".join(block["text"] for block in blocks)
+    return blocks
 
 
 def _factories(environment_factory: EnvironmentFactory | Mapping[str, EnvironmentFactory]) -> dict[str | None, EnvironmentFactory]:

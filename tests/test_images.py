@@ -4,6 +4,7 @@ trained on each step's own images."""
 
 from __future__ import annotations
 
+import json
 import random
 import re
 
@@ -242,3 +243,41 @@ def test_a_tiny_vlm_trains_on_visual_sokoban_through_its_images(tmp_path, tiny_v
     moved = [name for name, p in model.named_parameters() if name in vision and not torch.equal(p, vision[name])]
     assert any("vision_tower" in name for name in moved) and any("projector" in name for name in moved)
     assert trainer.state.global_step == 2 and trainer.last_rollout.steps.observation[0] == "[image 96x96]"
+
+
+class Camera:
+    """A TRL environment class whose reset and tool return pictures: `look` shows the room's color."""
+
+    def reset(self, **row):
+        self.color = (40 * (len(row.get("prompt", [])) % 5), 0, 0)
+        return [{"type": "text", "text": " The room:"}, {"type": "image", "image": picture(self.color)}]
+
+    def look(self, direction: str) -> list:
+        """Look somewhere.
+
+        Args:
+            direction: where to look.
+        """
+        return [{"type": "image", "image": picture((0, 200, 0))}, {"type": "text", "text": f"{direction}: green"}]
+
+
+def test_a_trl_environment_class_whose_tool_returns_a_picture() -> None:
+    from gigpo_trl.trl_environment import INFO_PROMPT, INFO_TOOL_MESSAGES, ToolCallDialogue, TRLEnvironment
+
+    environment = TRLEnvironment(Camera, max_steps=3)
+    observation, info = environment.reset(seed=0, options={"prompt": [{"role": "user", "content": "Find green."}]})
+    text, images = split_observation(observation)
+    assert text == f"Find green.\n The room:\n{IMAGE_MARKER}" and len(images) == 1
+    assert message_images(info[INFO_PROMPT]) == list(images)  # the prompt's last message, as TRL appends it
+    call = {"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "look",
+                                                                                    "arguments": {"direction": "up"}}}]}
+    observation, _, terminated, _, info = environment.step(json.dumps(call))
+    assert not terminated and readable(*split_observation(observation)) == "[image 8x8]\nup: green"
+    tool_messages = info[INFO_TOOL_MESSAGES]
+    start = EnvOutput("x", info={INFO_PROMPT: [{"role": "user", "content": "x"}]})
+    past = Exchange("", ParsedAction(json.dumps(call), True), EnvOutput("", info={INFO_TOOL_MESSAGES: tool_messages}), None)
+    windowed = ToolCallDialogue(None, history_length=1).prompt(start, start, [past], step=1)
+    assert [message["role"] for message in windowed] == ["user", "assistant", "tool"]
+    assert message_images(windowed) == message_images(tool_messages)
+    with pytest.raises(ValueError, match="does not take image observations"):
+        ToolCallDialogue(None, history_length=None).turn(past, step=1)
