@@ -150,9 +150,9 @@ def test_the_environment_class_recipe_trains_evaluates_and_reports(tmp_path, too
 
 
 @pytest.mark.timeout(600)
-def test_the_visual_sokoban_recipe_trains_a_tiny_vlm_adapter_on_cpu(tmp_path):
+def test_the_visual_sokoban_recipe_trains_a_tiny_vlm_adapter_on_two_cpu_processes(tmp_path):
     model_dir = str(build_tiny_vlm(tmp_path / "tiny-vlm"))
-    result = run_recipe([sys.executable], model_dir, tmp_path / "run", "visual_sokoban_smoke_cpu.yaml")
+    result = run_recipe(torchrun(2), model_dir, tmp_path / "run", "visual_sokoban_smoke_cpu.yaml")
 
     assert "Held-out success rate (2 tasks):" in result.stdout
     assert (tmp_path / "run" / "adapter_model.safetensors").is_file()
