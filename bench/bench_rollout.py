@@ -155,7 +155,7 @@ def recipe_trainer(config_path: str, model: str | None, arguments: list[str]):
     """A GiGPOTrainer of a recipe config (its model unless `model`, its environment, tasks and batch sizes; no
     evaluation, no report, a temporary output_dir), with recipe `arguments` on top; returns it, its training tasks
     and the model's name."""
-    from trl import ModelConfig, TrlParser
+    from trl import ModelConfig, TrlParser, get_peft_config
 
     from gigpo_trl.config import GiGPOConfig
     from gigpo_trl.models import EMBEDDED_MODEL
@@ -169,7 +169,7 @@ def recipe_trainer(config_path: str, model: str | None, arguments: list[str]):
     model = model or model_args.model_name_or_path or EMBEDDED_MODEL
     task_args.num_eval_tasks = 0  # no evaluation
     tasks, _ = task_args.datasets(config.env_name, config.env_kwargs)
-    return GiGPOTrainer(model, args=config, train_dataset=tasks), tasks, model
+    return GiGPOTrainer(model, args=config, train_dataset=tasks, peft_config=get_peft_config(model_args)), tasks, model
 
 
 def bench_iterations(config_path: str, iterations: int, model: str | None = None,
