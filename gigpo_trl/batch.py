@@ -22,11 +22,18 @@ if TYPE_CHECKING:
     from trl import GRPOTrainer
 
 
-def image_batch(completions: Sequence[Completion], device: torch.device | str = "cpu") -> dict[str, Any]:
+# The processor's keys with one entry per prompt token (Qwen2-VL's family marks its image tokens), not per image
+PER_TOKEN_IMAGE_KEYS = ("token_type_ids", "mm_token_type_ids")
+
+
+def image_batch(completions: Sequence[Completion], prompt_width: int, completion_width: int,
+                device: torch.device | str = "cpu") -> dict[str, Any]:
     """The image inputs of a batch's rows in TRL's layout (what `GRPOTrainer._get_per_token_logps_and_entropies`
     slices per row): each key's tensors of the rows that have images (`Completion.image_inputs`) concatenated on
-    their first dimension, in row order, and `num_images`, a list with each row's image count (0 for a row without).
-    {} when no row has an image.
+    their first dimension, in row order; the per-token keys (`PER_TOKEN_IMAGE_KEYS`) as (B, prompt_width +
+    completion_width) rows aligned with the batch's left-padded prompts and right-padded answers (0 on padding, answers
+    and rows without images); and `num_images`, a list with each row's image count (0 for a row without). {} when no
+    row has an image.
 
     Raises:
         ValueError: rows whose processor outputs hold different keys.
@@ -38,8 +45,17 @@ def image_batch(completions: Sequence[Completion], device: torch.device | str = 
     if len(keys) > 1:
         raise ValueError(f"the rows' image inputs hold different keys ({sorted(map(sorted, keys))}): every prompt "
                          "with images must come from the same processor")
-    batch: dict[str, Any] = {key: torch.cat([inputs[key] for inputs in rows if inputs]).to(device)
-                             for key in sorted(next(iter(keys)))}
+    batch: dict[str, Any] = {}
+    for key in sorted(next(iter(keys))):
+        if key in PER_TOKEN_IMAGE_KEYS:
+            per_token = torch.zeros(len(rows), prompt_width + completion_width, dtype=torch.long)
+            for row, inputs in enumerate(rows):
+                if inputs:
+                    values = inputs[key].reshape(-1)
+                    per_token[row, prompt_width - len(values):prompt_width] = values
+            batch[key] = per_token.to(device)
+        else:
+            batch[key] = torch.cat([inputs[key] for inputs in rows if inputs]).to(device)
     return batch | {"num_images": [inputs["num_images"] if inputs else 0 for inputs in rows]}
 
 
@@ -191,7 +207,7 @@ def loss_batch(trainer: GRPOTrainer, completions: Sequence[Completion], weights:
         trainer.args.per_device_train_batch_size if mode == "train" else trainer.args.per_device_eval_batch_size
     )
 
-    images = image_batch(completions, device)
+    images = image_batch(completions, batch["prompt_ids"].size(1), batch["completion_ids"].size(1), device)
     batch |= images
 
     def log_probs(model: Any) -> torch.Tensor:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from gigpo_trl.batch import PER_TOKEN_IMAGE_KEYS
 from gigpo_trl.dialogue import Completion, Prompt, prompt_messages
 from gigpo_trl.observations import message_images
 
@@ -81,17 +82,27 @@ def completions_from_tokens(prompt_ids: Sequence[Sequence[int]], completion_ids:
     return completions
 
 
-def generation_image_inputs(prompts: Sequence[Prompt], image_inputs: Sequence[dict[str, Any] | None]
+def generation_image_inputs(prompts: Sequence[Prompt], prompt_ids: Sequence[Sequence[int]],
+                            image_inputs: Sequence[dict[str, Any] | None]
                             ) -> tuple[list[list[Any] | None] | None, dict[str, Any]]:
     """What TRL's `_generate_single_turn` takes with a turn's prompt ids for their images: `images`, each prompt's
     images (vLLM's `multi_modal_data`; None for a prompt without, and None in all without any), and the processor's
-    tensors of the prompts that have images, concatenated in prompt order (HF generation's `pixel_values`, ...)."""
+    tensors of the prompts that have images, concatenated in prompt order (HF generation's `pixel_values`, ...); a
+    per-token key (`gigpo_trl.batch.PER_TOKEN_IMAGE_KEYS`) as one list per prompt, 0s for a prompt without images,
+    which TRL left-pads with the prompts."""
     if not any(image_inputs):
         return None, {}
     images = [message_images(prompt_messages(prompt)) if inputs else None
               for prompt, inputs in zip(prompts, image_inputs)]
     rows = [inputs for inputs in image_inputs if inputs]
-    return images, {key: torch.cat([inputs[key] for inputs in rows]) for key in rows[0] if key != "num_images"}
+    fields = {}
+    for key in rows[0]:
+        if key in PER_TOKEN_IMAGE_KEYS:
+            fields[key] = [inputs[key].reshape(-1).tolist() if inputs else [0] * len(ids)
+                           for ids, inputs in zip(prompt_ids, image_inputs)]
+        elif key != "num_images":
+            fields[key] = torch.cat([inputs[key] for inputs in rows])
+    return images, fields
 
 
 def prompt_token_limit(max_position_embeddings: int | None, vllm_max_model_length: int | None,

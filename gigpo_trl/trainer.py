@@ -367,7 +367,7 @@ class GiGPOTrainer(GiGPOLossMixin, RunLogsMixin, GRPOTrainer):
             dummy = self._tokenize_prompts([DUMMY_PROMPT])[0][0]
             prompt_ids = [dummy if k in too_long else ids for k, ids in enumerate(prompt_ids)]
             image_inputs = [None if k in too_long else inputs for k, inputs in enumerate(image_inputs)]
-        images, fields = generation_image_inputs(prompts, image_inputs)
+        images, fields = generation_image_inputs(prompts, prompt_ids, image_inputs)
         completion_ids, logprobs = self._generate_single_turn(prompt_ids, images, fields, 1)
         completions = completions_from_tokens(
             prompt_ids, completion_ids, logprobs, eos_token_id=self.eos_token_ids[0],

@@ -7,14 +7,17 @@ from __future__ import annotations
 import json
 import random
 import re
+from typing import Any
 
 import pytest
 import torch
 from PIL import Image
+from tiny_qwen2_vl import build_tiny_qwen2_vl
 from trainer_helpers import cpu_config
+from trl.trainer.utils import split_pixel_values_by_grid
 
 from gigpo_trl import GiGPOTrainer, task_dataset
-from gigpo_trl.batch import loss_batch
+from gigpo_trl.batch import PER_TOKEN_IMAGE_KEYS, loss_batch
 from gigpo_trl.dialogue import Exchange, TextDialogue
 from gigpo_trl.env_base import BaseTextEnv
 from gigpo_trl.env_checker import EnvCheckError, check_env
@@ -176,6 +179,18 @@ def tiny_vlm_path(tmp_path_factory) -> str:
     return str(build_tiny_vlm(tmp_path_factory.mktemp("tiny-vlm")))
 
 
+@pytest.fixture(scope="module")
+def tiny_qwen2_vl(tmp_path_factory) -> tuple[str, Any]:
+    return build_tiny_qwen2_vl(tmp_path_factory.mktemp("tiny-qwen2-vl"))
+
+
+@pytest.fixture(params=["llava", "qwen2_vl"])
+def vision_model(request, tiny_vlm_path) -> tuple[str, Any]:
+    """(model folder, processing_class or None): the LLaVA-style model (one row of pixels per image) and Qwen2-VL
+    (pixels per patch with `image_grid_thw`, multi-axis rotary positions, a per-token `mm_token_type_ids`)."""
+    return (tiny_vlm_path, None) if request.param == "llava" else request.getfixturevalue("tiny_qwen2_vl")
+
+
 def test_a_text_model_is_refused_image_observations_by_name(tmp_path, tiny_model_path) -> None:
     trainer = GiGPOTrainer(tiny_model_path, args=cpu_config(tmp_path, env_name="visual_sokoban", max_env_steps=2),
                            train_dataset=task_dataset(range(8)))
@@ -184,13 +199,28 @@ def test_a_text_model_is_refused_image_observations_by_name(tmp_path, tiny_model
     trainer.close_environments()
 
 
-def test_every_forward_pass_reads_each_step_samples_own_images(tmp_path, tiny_vlm_path) -> None:
+def row_image_inputs(batch: dict[str, Any], row: int) -> dict[str, Any]:
+    """One row's image inputs out of a batch, by TRL's own per-row split (`split_pixel_values_by_grid`)."""
+    by_row = split_pixel_values_by_grid(batch)
+    inputs = {key: by_row[key][row] for key in ("pixel_values", "image_grid_thw", "image_sizes") if key in by_row}
+    inputs |= {key: batch[key][row:row + 1] for key in PER_TOKEN_IMAGE_KEYS if key in batch}
+    return inputs | {"num_images": [batch["num_images"][row]]}
+
+
+def test_every_forward_pass_reads_each_step_samples_own_images(tmp_path, vision_model) -> None:
     """A rollout of visual Sokoban (2 tasks x 2 copies, a window of 1: prompts of 1 or 2 pictures): each row of the
     update's batch holds the pixels the processor makes of that step's own prompt, and the update's chunked forward
-    gives each row the log-probs of that row forwarded alone with its images (a neighbour's images change them)."""
-    trainer = GiGPOTrainer(tiny_vlm_path, args=cpu_config(tmp_path, env_name="visual_sokoban", history_length=1,
-                                                          max_env_steps=3, max_completion_length=4),
-                           train_dataset=task_dataset(range(8)))
+    gives each row the log-probs of that row forwarded alone with its images (a neighbour's images change them). The
+    packed update and the prefix cache are off, each named."""
+    model, processing_class = vision_model
+    with pytest.warns(UserWarning) as warned:
+        trainer = GiGPOTrainer(model, args=cpu_config(tmp_path, env_name="visual_sokoban", history_length=1,
+                                                      max_env_steps=3, max_completion_length=4),
+                               train_dataset=task_dataset(range(8)), processing_class=processing_class)
+    messages = [str(warning.message) for warning in warned]
+    assert any("packed_update is off for this model" in m and "multimodal" in m for m in messages)
+    assert any("generation_prefix_cache is off" in m and "multimodal" in m for m in messages)
+    assert not trainer._packed_update and trainer.prefix_cache is None
     pool = trainer._pool("train", 2, 2)
     rollout = trainer._play(pool, [Task(1, None), Task(2, None)], greedy=False)
     trainer.close_environments()
@@ -199,49 +229,51 @@ def test_every_forward_pass_reads_each_step_samples_own_images(tmp_path, tiny_vl
     assert {len(message_images(prompt)) for prompt in steps.prompt} == {1, 2}
     batch = loss_batch(trainer, completions, [1.0] * len(completions), [0.0] * len(completions), "train")
     assert batch["num_images"] == [len(message_images(prompt)) for prompt in steps.prompt]
-    offsets = [0]
-    for count in batch["num_images"]:
-        offsets.append(offsets[-1] + count)
-    processor = trainer.processing_class
     for row, prompt in enumerate(steps.prompt):
-        own = processor.apply_chat_template([prompt], add_generation_prompt=True, tokenize=True, return_dict=True,
-                                            return_tensors="pt")
+        own = trainer.processing_class.apply_chat_template([prompt], add_generation_prompt=True, tokenize=True,
+                                                           return_dict=True, return_tensors="pt")
         assert own["input_ids"][0].tolist() == completions[row].prompt_ids
-        assert torch.equal(batch["pixel_values"][offsets[row]:offsets[row + 1]], own["pixel_values"])
+        mine = row_image_inputs(batch, row)
+        assert torch.equal(mine["pixel_values"], own["pixel_values"])
+        for key in PER_TOKEN_IMAGE_KEYS:
+            if key in own:
+                prompt_part = mine[key][0, :batch["prompt_ids"].size(1)][batch["prompt_mask"][row].bool()]
+                assert torch.equal(prompt_part, own[key][0]) and not mine[key][0, batch["prompt_ids"].size(1):].any()
 
     input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
     attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
     width = batch["completion_ids"].size(1)
-    images = {key: batch[key] for key in ("pixel_values", "num_images")}
+    images = {key: batch[key] for key in batch if key in ("pixel_values", "image_grid_thw", "num_images", *PER_TOKEN_IMAGE_KEYS)}
+    mask = batch["completion_mask"].bool()
     with torch.no_grad():
         chunked = trainer._get_per_token_logps_and_entropies(trainer.model, input_ids, attention_mask, width,
                                                              batch_size=3, **images)[0]
-        mask = batch["completion_mask"].bool()
         for row in range(len(completions)):
             alone = trainer._get_per_token_logps_and_entropies(
-                trainer.model, input_ids[row:row + 1], attention_mask[row:row + 1], width,
-                pixel_values=batch["pixel_values"][offsets[row]:offsets[row + 1]], num_images=[batch["num_images"][row]])[0]
+                trainer.model, input_ids[row:row + 1], attention_mask[row:row + 1], width, **row_image_inputs(batch, row))[0]
             torch.testing.assert_close(chunked[row][mask[row]], alone[0][mask[row]], atol=1e-5, rtol=1e-5)
-        first = range(offsets[0], offsets[1])
-        neighbour = next(r for r in range(1, len(completions)) if batch["num_images"][r] == batch["num_images"][0]
-                         and not torch.equal(batch["pixel_values"][offsets[r]:offsets[r + 1]], batch["pixel_values"][first]))
+        first = row_image_inputs(batch, 0)
+        neighbour = next(row_image_inputs(batch, r) for r in range(1, len(completions))
+                         if batch["num_images"][r] == batch["num_images"][0]
+                         and not torch.equal(row_image_inputs(batch, r)["pixel_values"], first["pixel_values"]))
         swapped = trainer._get_per_token_logps_and_entropies(
-            trainer.model, input_ids[:1], attention_mask[:1], width,
-            pixel_values=batch["pixel_values"][offsets[neighbour]:offsets[neighbour + 1]], num_images=[batch["num_images"][0]])[0]
+            trainer.model, input_ids[:1], attention_mask[:1], width, **(first | {"pixel_values": neighbour["pixel_values"]}))[0]
     assert not torch.allclose(swapped[0][mask[0]], chunked[0][mask[0]])
 
 
-def test_a_tiny_vlm_trains_on_visual_sokoban_through_its_images(tmp_path, tiny_vlm_path) -> None:
-    """Two updates of GiGPO with HF generation: the vision tower's and the projector's weights move, so the update's
-    loss reached them through each step's pixels."""
-    trainer = GiGPOTrainer(tiny_vlm_path, args=cpu_config(tmp_path, env_name="visual_sokoban", history_length=0,
-                                                          max_env_steps=3, max_completion_length=4),
-                           train_dataset=task_dataset(range(8)))
-    model = trainer.model
-    vision = {name: p.detach().clone() for name, p in model.named_parameters() if "vision_tower" in name or "projector" in name}
+def test_a_tiny_vlm_trains_on_visual_sokoban_through_its_images(tmp_path, vision_model) -> None:
+    """Two updates of GiGPO with HF generation: the vision tower's and the projector's (merger's) weights move, so
+    the update's loss reached them through each step's pixels."""
+    model, processing_class = vision_model
+    trainer = GiGPOTrainer(model, args=cpu_config(tmp_path, env_name="visual_sokoban", history_length=0,
+                                                  max_env_steps=3, max_completion_length=4),
+                           train_dataset=task_dataset(range(8)), processing_class=processing_class)
+    vision = {name: p.detach().clone() for name, p in trainer.model.named_parameters() if "visual" in name or "vision" in name
+              or "projector" in name}
     trainer.train()
-    moved = [name for name, p in model.named_parameters() if name in vision and not torch.equal(p, vision[name])]
-    assert any("vision_tower" in name for name in moved) and any("projector" in name for name in moved)
+    moved = [name for name, p in trainer.model.named_parameters() if name in vision and not torch.equal(p, vision[name])]
+    assert any("vision_tower" in name or "visual.blocks" in name for name in moved)
+    assert any("projector" in name or "merger" in name for name in moved)
     assert trainer.state.global_step == 2 and trainer.last_rollout.steps.observation[0] == "[image 96x96]"
 
 
