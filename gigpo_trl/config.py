@@ -229,7 +229,8 @@ class GiGPOConfig(GRPOConfig):
                   "instructions every prompt starts with, a task's copies' identical first prompts, and in "
                   "conversation mode each episode's previous prompt and answer (a T-turn episode's prefill is then "
                   "O(T) tokens, not O(T^2)). The tokens are those of generation without it, up to floating-point "
-                  "summation order. Off by itself, with one warning, where it cannot serve (a sliding-window or static "
+                  "summation order (exactly in fp32; under bf16 autocast a near-tie can go the other way, as a change "
+                  "of batch does without it). Off by itself, with one warning, where it cannot serve (a sliding-window or static "
                   "cache, continuous batching, ZeRO-3 or FSDP). False: every prompt is "
                   "forwarded whole at every turn (TRL's generate)."},
     )
