@@ -388,14 +388,17 @@ class GiGPOTrainer(GiGPOLossMixin, RunLogsMixin, GRPOTrainer):
 
         Both run under the training's autocast (`accelerator.autocast()`): accelerate puts it on the forward of the
         model it prepared, which `generate` does not call when that model is a PEFT wrapper, so a LoRA run on fp32
-        weights with bf16 autocast (the CPU quickstart's) generated in fp32 while it trained in bf16."""
+        weights with bf16 autocast (the CPU quickstart's) generated in fp32 while it trained in bf16. vLLM's engine
+        runs at its own precision, outside it."""
+        if self.use_vllm:
+            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
         with self.accelerator.autocast():
             return self._generate_at_training_precision(prompt_ids, images, multimodal_fields, num_generations,
                                                         has_tool_images)
 
     def _generate_at_training_precision(self, prompt_ids: list[list[int]], images: Any, multimodal_fields: dict,
                                         num_generations: int, has_tool_images: bool) -> tuple[list[list[int]], Any]:
-        if self.prefix_cache is None or self.use_vllm or self.use_transformers_continuous_batching or \
+        if self.prefix_cache is None or self.use_transformers_continuous_batching or \
                 images is not None or multimodal_fields or num_generations != 1:
             return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
         with (
