@@ -121,3 +121,14 @@ def message_images(messages: Sequence[dict[str, Any]]) -> list[Any]:
     """The images of chat messages' content blocks, in order."""
     return [block["image"] for message in messages if isinstance(message.get("content"), list)
             for block in message["content"] if isinstance(block, dict) and block.get("type") == "image"]
+
+
+def readable_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Chat messages for people and logs: each content-block list as its text, each image as `[image WxH]`."""
+    def text(content: Any) -> Any:
+        if not isinstance(content, list):
+            return content
+        return "".join(block["text"] if block.get("type") == "text" else
+                       f"[image {block['image'].size[0]}x{block['image'].size[1]}]" if is_image(block.get("image")) else
+                       f"[{block.get('type')}]" for block in content)
+    return [{**message, "content": text(message.get("content"))} for message in messages]

@@ -26,6 +26,7 @@ from gigpo_trl.metrics import (
     GRAD_NORM_SPIKE_WINDOW, SINGLETON_WARNING, SINGLETON_WARNING_SHARE, PanelEpisode, RolloutSummary, RolloutTimes,
     panel_metrics, panel_tasks, rollout_metrics, trailing_ratio,
 )
+from gigpo_trl.observations import readable_messages
 from gigpo_trl.records import (
     checkpoint_step, episode_records, evaluation_record, iteration_record, open_records, write_evaluation,
     write_records, write_update,
@@ -178,9 +179,10 @@ class RunLogsMixin:
             write_records(self.args.output_dir, record, episode_records(rollout, gigpo, self.args.log_trajectories))
 
     def _log_step_samples(self, rollout: Rollout, advantages: np.ndarray) -> None:
-        """Feed TRL's completion logs (`log_completions`): one entry per step sample."""
+        """Feed TRL's completion logs (`log_completions`): one entry per step sample, a prompt's pictures as
+        `[image WxH]` (TRL writes the logs as a table, whose prompt column takes no mix of text and content blocks)."""
         steps = rollout.steps
-        self._logs["prompt"].extend(gather_object(steps.prompt))
+        self._logs["prompt"].extend(gather_object([readable_messages(prompt) for prompt in steps.prompt]))
         self._logs["completion"].extend(gather_object([c.text for c in steps.completion]))
         self._logs["rewards"]["environment_reward"].extend(gather_object(steps.reward))
         self._logs["advantages"].extend(gather_object([float(a) for a in advantages]))

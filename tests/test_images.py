@@ -263,10 +263,11 @@ def test_every_forward_pass_reads_each_step_samples_own_images(tmp_path, vision_
 
 def test_a_tiny_vlm_trains_on_visual_sokoban_through_its_images(tmp_path, vision_model) -> None:
     """Two updates of GiGPO with HF generation: the vision tower's and the projector's (merger's) weights move, so
-    the update's loss reached them through each step's pixels."""
+    the update's loss reached them through each step's pixels; TRL's completion logs (a table) get each picture as
+    `[image WxH]`."""
     model, processing_class = vision_model
     trainer = GiGPOTrainer(model, args=cpu_config(tmp_path, env_name="visual_sokoban", history_length=0,
-                                                  max_env_steps=3, max_completion_length=4),
+                                                  max_env_steps=3, max_completion_length=4, log_completions=True),
                            train_dataset=task_dataset(range(8)), processing_class=processing_class)
     vision = {name: p.detach().clone() for name, p in trainer.model.named_parameters() if "visual" in name or "vision" in name
               or "projector" in name}
@@ -275,6 +276,10 @@ def test_a_tiny_vlm_trains_on_visual_sokoban_through_its_images(tmp_path, vision
     assert any("vision_tower" in name or "visual.blocks" in name for name in moved)
     assert any("projector" in name or "merger" in name for name in moved)
     assert trainer.state.global_step == 2 and trainer.last_rollout.steps.observation[0] == "[image 96x96]"
+    logged_user_messages = [message["content"] for prompt in trainer._logs["prompt"] for message in prompt
+                            if message["role"] == "user"]
+    assert logged_user_messages and all(isinstance(content, str) and "[image 96x96]" in content
+                                        for content in logged_user_messages)
 
 
 class Camera:
