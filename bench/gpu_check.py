@@ -28,6 +28,7 @@ The checks:
   train_lora_bf16    the same with a LoRA adapter (r 16, all linear layers): the adapter changes, the base does not
   deepspeed_zero2/3  train_full_bf16 through `accelerate launch` with recipes/accelerate/deepspeed_zero{2,3}.yaml
                      on the GPUs present (ZeRO-3 gathers the sharded weights at every turn's generation)
+  fsdp2              train_full_bf16 through `accelerate launch` with recipes/accelerate/fsdp2.yaml, one process
   vllm_colocate      train_full_bf16 with vLLM colocate generation inside the turn loop, at a learning rate that
                      moves the policy: vLLM must generate with the updated weights at every iteration (the trainer's
                      and vLLM's log-probs of the sampled tokens agree: sampling/sampling_logp_difference stays
@@ -124,6 +125,7 @@ CHECKS = (
     Check("train_lora_bf16", ("cuda", "embedded_model", "peft"), 600, "embedded SmolLM2, LoRA, bf16"),
     Check("deepspeed_zero2", ("cuda", "embedded_model", "deepspeed"), 900, "accelerate launch, DeepSpeed ZeRO-2"),
     Check("deepspeed_zero3", ("cuda", "embedded_model", "deepspeed"), 900, "accelerate launch, DeepSpeed ZeRO-3"),
+    Check("fsdp2", ("cuda", "embedded_model"), 900, "accelerate launch, FSDP2, one process"),
     Check("vllm_colocate", ("cuda", "embedded_model", "vllm"), 900, "vLLM colocate generation in the turn loop"),
     Check("vllm_colocate_lora", ("cuda", "embedded_model", "vllm", "peft"), 900, "vLLM colocate with a LoRA adapter"),
     Check("vllm_colocate_lora_adapter", ("cuda", "embedded_model", "vllm", "peft"), 900,
@@ -519,9 +521,10 @@ def check_train(options, log, **kwargs) -> dict:
                       log=log)
 
 
-def deepspeed_launcher(stage: int, num_processes: int | None = None, mixed_precision: str | None = None) -> list[str]:
-    """`accelerate launch` (this Python's) with the recipe's DeepSpeed ZeRO-`stage` config: `num_processes` processes
-    (default: one per GPU present), the config's mixed precision (bf16) unless `mixed_precision` is given, a free port."""
+def accelerate_launcher(config: str, num_processes: int | None = None, mixed_precision: str | None = None) -> list[str]:
+    """`accelerate launch` (this Python's) with the recipe's accelerate `config` (a file of recipes/accelerate/):
+    `num_processes` processes (default: one per GPU present), the config's mixed precision (bf16) unless
+    `mixed_precision` is given, a free port."""
     import torch
 
     num_processes = num_processes or torch.cuda.device_count()
@@ -529,9 +532,14 @@ def deepspeed_launcher(stage: int, num_processes: int | None = None, mixed_preci
         raise ValueError("no CUDA GPU to give each process one: pass num_processes (without a GPU every process trains "
                          "on the CPU, gloo between them)")
     return [sys.executable, "-m", "accelerate.commands.launch",
-            "--config_file", str(REPO / f"recipes/accelerate/deepspeed_zero{stage}.yaml"),
+            "--config_file", str(REPO / "recipes" / "accelerate" / config),
             "--num_processes", str(num_processes), "--main_process_port", str(free_port()),
             *(["--mixed_precision", mixed_precision] if mixed_precision else [])]
+
+
+def deepspeed_launcher(stage: int, num_processes: int | None = None, mixed_precision: str | None = None) -> list[str]:
+    """`accelerate_launcher` with the recipe's DeepSpeed ZeRO-`stage` config."""
+    return accelerate_launcher(f"deepspeed_zero{stage}.yaml", num_processes, mixed_precision)
 
 
 def check_deepspeed(options, log, stage: int) -> dict:
@@ -541,6 +549,11 @@ def check_deepspeed(options, log, stage: int) -> dict:
                         launcher=deepspeed_launcher(stage), log=log)
     result["processes"] = torch.cuda.device_count()
     return result
+
+
+def check_fsdp2(options, log) -> dict:
+    return run_worker("train", {"model": options.model, "max_steps": options.steps}, check_timeout(options, 900),
+                      launcher=accelerate_launcher("fsdp2.yaml", num_processes=1), log=log)
 
 
 def check_update_memory(options, log) -> dict:
@@ -634,6 +647,7 @@ RUNNERS: dict[str, Callable] = {
     "train_lora_bf16": lambda options, log: check_train(options, log, lora=True),
     "deepspeed_zero2": lambda options, log: check_deepspeed(options, log, 2),
     "deepspeed_zero3": lambda options, log: check_deepspeed(options, log, 3),
+    "fsdp2": check_fsdp2,
     "vllm_colocate": lambda options, log: check_train(options, log, use_vllm=True, learning_rate=1e-4),
     "vllm_colocate_lora": lambda options, log: check_train(options, log, use_vllm=True, lora=True, learning_rate=1e-3),
     "vllm_colocate_lora_adapter": lambda options, log: check_train(options, log, use_vllm=True, lora=True, learning_rate=1e-3,
