@@ -46,8 +46,9 @@ WINDOW = 2  # the windowed arm's exchanges, the text environments' default
 PLAIN_ROWS_PER_PASS = 5
 
 
-def random_model(source: str, layers: int):
-    """A random model of `source`'s configuration cut to `layers` layers, and `source`'s tokenizer."""
+def random_model(source: str, layers: int, attention: str = "sdpa"):
+    """A random model of `source`'s configuration cut to `layers` layers (its `attention` implementation), and
+    `source`'s tokenizer."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from gigpo_trl.models import resolve_model
@@ -57,7 +58,7 @@ def random_model(source: str, layers: int):
     config.num_hidden_layers = layers
     if getattr(config, "layer_types", None):
         config.layer_types = config.layer_types[:layers]
-    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa"), AutoTokenizer.from_pretrained(path)
+    return AutoModelForCausalLM.from_config(config, attn_implementation=attention), AutoTokenizer.from_pretrained(path)
 
 
 def conversations(episodes: int, steps: int, shape: tuple[int, int, int], vocab: int, seed: int) -> list[dict]:
@@ -79,14 +80,15 @@ def step_prompt(conversation: dict, step: int, window: int | None) -> list[int]:
 
 
 def update_trainer(model, tokenizer, rows_per_micro_batch: int, micro_batches: int, max_completion_length: int,
-                   rows_per_pass: int | None = None):
-    """A GiGPOTrainer whose update takes `micro_batches` micro-batches of `rows_per_micro_batch` rows, forwarded in
-    passes of `rows_per_pass` rows (`max_step_samples_per_micro_batch`; None: a micro-batch a pass)."""
+                   rows_per_pass: int | None = None, use_cpu: bool = True):
+    """A GiGPOTrainer (fp32; on the CPU unless `use_cpu` is False) whose update takes `micro_batches` micro-batches of
+    `rows_per_micro_batch` rows, forwarded in passes of `rows_per_pass` rows (`max_step_samples_per_micro_batch`;
+    None: a micro-batch a pass)."""
     from gigpo_trl import GiGPOConfig, GiGPOTrainer, task_dataset
 
     args = GiGPOConfig(output_dir=tempfile.mkdtemp(), env_name="corridor", env_processes=False, num_generations=2,
                        per_device_train_batch_size=rows_per_micro_batch, steps_per_generation=micro_batches,
-                       gradient_accumulation_steps=micro_batches, use_cpu=True, bf16=False, activation_checkpointing=False,
+                       gradient_accumulation_steps=micro_batches, use_cpu=use_cpu, bf16=False, activation_checkpointing=False,
                        report_to=[], save_strategy="no", max_completion_length=max_completion_length,
                        max_step_samples_per_micro_batch=rows_per_pass)
     tasks = rows_per_micro_batch * micro_batches // 2

@@ -43,6 +43,9 @@ The checks:
   qlora_vllm_adapter qlora with vLLM colocate in the adapter mode: vLLM loads the base in 4 bits itself (TRL asks
                      for quantization "bitsandbytes"); refused at construction where vLLM has no bitsandbytes
   vllm_server        vllm_colocate's checks with `vllm serve` on localhost (vllm_mode server) on the same GPU
+  packed_update      bench/bench_conversation.py's whole conversations (T = 20 and 50, ALFWorld's shape) on a random
+                     SmolLM2-135M (all 30 layers), fp32: the packed update with FlexAttention's block mask against the
+                     same step samples as plain rows: log-probs and every gradient equal (1e-3), seconds, peak memory
   update_memory      peak GPU memory of one update (after the rollout) of a randomly initialised Qwen2.5-1.5B
                      (its real config, no download) against max_step_samples_per_micro_batch, for rollouts of
                      two sizes: the peak must follow the bound, not the rollout size
@@ -137,6 +140,8 @@ CHECKS = (
     Check("qlora_vllm_adapter", ("cuda", "embedded_model", "vllm", "peft", "bitsandbytes"), 900,
           "4-bit base with LoRA, vLLM colocate in the adapter mode"),
     Check("vllm_server", ("cuda", "embedded_model", "vllm"), 1200, "vllm serve on localhost, vllm_mode server"),
+    Check("packed_update", ("cuda", "embedded_model"), 900,
+          "whole conversations packed (FlexAttention) against plain rows: exactness, seconds, peak memory"),
     Check("update_memory", ("cuda", "embedded_model"), 900, "update peak memory against the micro-batch bound"),
     Check("model_size_ladder", ("cuda", "embedded_model"), 1200, "largest Qwen2.5 size whose iteration fits"),
     Check("rollout_throughput", ("cuda", "embedded_model"), 900, "tokens/s and rollout / one-generation ratio"),
@@ -418,7 +423,89 @@ def rollout_figures(model: str, backend: str, vllm_settings: dict | None = None)
     return results
 
 
-WORKERS: dict[str, Callable[..., dict]] = {"train": train_once, "update_peak": update_peak, "rollout": rollout_figures}
+def packed_update_figures(model: str = EMBEDDED, steps: Sequence[int] = (20, 50), layers: int | None = None,
+                          episodes: int = 2) -> dict:
+    """The packed update of whole conversations against the same step samples as plain rows (bench/
+    bench_conversation.py's ALFWorld shape: instructions of 200 tokens, observations of 60, answers of 15), on a random
+    model of `model`'s configuration (`layers` None: all of them), fp32. On CUDA the packed rows' attention is
+    FlexAttention's block mask (no L x L mask); elsewhere the dense mask of sdpa. Per T in `steps`: the log-probs'
+    largest difference, the largest difference of a parameter's gradient relative to its size, and each path's
+    seconds (wall, synchronised) and peak memory (CUDA: the allocator's; elsewhere not measured).
+
+    Returns the figures and `problems` (empty: passed): a log-prob apart by more than 1e-3, or a gradient by more
+    than 1e-3 of its size."""
+    import torch
+
+    sys.path.insert(0, str(REPO / "bench"))
+    from bench_conversation import PLAIN_ROWS_PER_PASS, conversations, random_model, step_rows, update_trainer
+
+    cuda = torch.cuda.is_available()
+    attention = "flex_attention" if cuda else "sdpa"
+    from gigpo_trl.models import resolve_model
+
+    if layers is None:
+        from transformers import AutoConfig
+
+        layers = AutoConfig.from_pretrained(resolve_model(model)).num_hidden_layers
+    torch.manual_seed(0)
+    net, tokenizer = random_model(model, layers, attention)
+    figures: dict = {"attention": attention, "device": "cuda" if cuda else "cpu", "layers": layers, "steps": {}}
+    problems = []
+    for count in steps:
+        talks = conversations(episodes, count, (200, 60, 15), net.config.vocab_size, seed=count)
+        # the plain rows in passes of PLAIN_ROWS_PER_PASS (a micro-batch of long rows in one pass needs tens of GB)
+        trainers = {packed: update_trainer(net, tokenizer, count, episodes, 15, None if packed else PLAIN_ROWS_PER_PASS,
+                                           use_cpu=not cuda) for packed in (True, False)}
+        if not trainers[True]._packed_update:
+            problems.append(f"the packed update turned itself off for {attention} on {figures['device']}")
+            break
+        micro_batches = step_rows(trainers[True], talks, None)
+        row = {"step_samples": count * episodes}
+        results = {}
+        for packed, trainer in trainers.items():
+            trainer._packed_update = packed
+            trainer.current_gradient_accumulation_steps = trainer.args.gradient_accumulation_steps
+            trainer.model.zero_grad()
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            started = time.perf_counter()
+            log_probs = []
+            for batch in micro_batches:
+                inputs = {key: value.to(trainer.accelerator.device) if hasattr(value, "to") else value
+                          for key, value in batch.items()}
+                loss = trainer.compute_loss(trainer.model, inputs)
+                trainer.accelerator.backward(loss)
+                with torch.no_grad():
+                    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+                    mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+                    log_probs.append(trainer._get_per_token_logps_and_entropies(
+                        trainer.model, ids, mask, inputs["completion_ids"].size(1),
+                        batch_size=trainer.args.max_step_samples_per_micro_batch)[0] * inputs["completion_mask"])
+            if cuda:
+                torch.cuda.synchronize()
+            seconds = time.perf_counter() - started
+            results[packed] = (log_probs, {name: parameter.grad.detach().clone()
+                                           for name, parameter in trainer.model.named_parameters()
+                                           if parameter.grad is not None})
+            row["packed" if packed else "plain_rows"] = {
+                "seconds": seconds, "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None}
+        (packed_lp, packed_grads), (plain_lp, plain_grads) = results[True], results[False]
+        row["max_log_prob_difference"] = max(float((a - b).abs().max()) for a, b in zip(packed_lp, plain_lp))
+        row["max_relative_gradient_difference"] = max(
+            float((packed_grads[name] - plain_grads[name]).abs().max() / plain_grads[name].abs().max().clamp(min=1e-12))
+            for name in plain_grads)
+        if row["max_log_prob_difference"] > 1e-3:
+            problems.append(f"T = {count}: log-probs apart by {row['max_log_prob_difference']:.2e}")
+        if row["max_relative_gradient_difference"] > 1e-3:
+            problems.append(f"T = {count}: a gradient apart by {row['max_relative_gradient_difference']:.2e} of its size")
+        figures["steps"][str(count)] = row
+        net.zero_grad()
+    return {**figures, "problems": problems}
+
+
+WORKERS: dict[str, Callable[..., dict]] = {"train": train_once, "update_peak": update_peak, "rollout": rollout_figures,
+                                           "packed_update": packed_update_figures}
 
 
 def _mean(values: Sequence[float]) -> float | None:
@@ -556,6 +643,10 @@ def check_fsdp2(options, log) -> dict:
                       launcher=accelerate_launcher("fsdp2.yaml", num_processes=1), log=log)
 
 
+def check_packed_update(options, log) -> dict:
+    return run_worker("packed_update", {"model": options.model}, check_timeout(options, 900), log=log)
+
+
 def check_update_memory(options, log) -> dict:
     """The update's peak may not grow with the rollout: twice the step samples, at most 5% more (allocator slack).
 
@@ -661,6 +752,7 @@ RUNNERS: dict[str, Callable] = {
     "qlora_vllm_adapter": lambda options, log: check_train(options, log, use_vllm=True, lora=True, four_bit=True,
                                                            learning_rate=1e-3, vllm={"vllm_lora_sync": "adapter"}),
     "vllm_server": check_vllm_server,
+    "packed_update": check_packed_update,
     "update_memory": check_update_memory,
     "model_size_ladder": check_model_size_ladder,
     "rollout_throughput": check_rollout,

@@ -243,3 +243,14 @@ def test_the_vllm_options_size_each_colocated_engine_and_leave_the_servers_to_it
     assert gpu_check.vllm_settings(SimpleNamespace(vllm_gpu_memory_utilization=0.25, vllm_kv_cache_gib=None)) == {
         "vllm_gpu_memory_utilization": 0.25}
     assert gpu_check.vllm_settings(options, server=True) == {}
+
+
+def test_the_packed_update_check_compares_both_paths_and_dry_runs_on_cpu():
+    """The packed_update check's worker at its smallest (3-step conversations, 2 layers of SmolLM2's shape): without
+    CUDA it packs with sdpa's dense mask, and its packed log-probs and gradients equal the plain rows'."""
+    figures = gpu_check.packed_update_figures(steps=(3,), layers=2)
+
+    assert figures["problems"] == [] and figures["attention"] == ("flex_attention" if torch.cuda.is_available() else "sdpa")
+    row = figures["steps"]["3"]
+    assert row["step_samples"] == 6 and row["packed"]["seconds"] > 0 and row["plain_rows"]["seconds"] > 0
+    assert row["max_log_prob_difference"] < 1e-4 and row["max_relative_gradient_difference"] < 1e-4
