@@ -439,10 +439,10 @@ def packed_update_figures(model: str = EMBEDDED, steps: Sequence[int] = (20, 50)
     sys.path.insert(0, str(REPO / "bench"))
     from bench_conversation import PLAIN_ROWS_PER_PASS, conversations, random_model, step_rows, update_trainer
 
-    cuda = torch.cuda.is_available()
-    attention = "flex_attention" if cuda else "sdpa"
     from gigpo_trl.models import resolve_model
 
+    cuda = torch.cuda.is_available()
+    attention = "flex_attention" if cuda else "sdpa"
     if layers is None:
         from transformers import AutoConfig
 
@@ -469,27 +469,25 @@ def packed_update_figures(model: str = EMBEDDED, steps: Sequence[int] = (20, 50)
             if cuda:
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
+            inputs = [{key: value.to(trainer.accelerator.device) if hasattr(value, "to") else value
+                       for key, value in batch.items()} for batch in micro_batches]
             started = time.perf_counter()
-            log_probs = []
-            for batch in micro_batches:
-                inputs = {key: value.to(trainer.accelerator.device) if hasattr(value, "to") else value
-                          for key, value in batch.items()}
-                loss = trainer.compute_loss(trainer.model, inputs)
-                trainer.accelerator.backward(loss)
-                with torch.no_grad():
-                    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
-                    mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
-                    log_probs.append(trainer._get_per_token_logps_and_entropies(
-                        trainer.model, ids, mask, inputs["completion_ids"].size(1),
-                        batch_size=trainer.args.max_step_samples_per_micro_batch)[0] * inputs["completion_mask"])
+            for batch in inputs:  # the update: each micro-batch's loss and backward passes
+                trainer.accelerator.backward(trainer.compute_loss(trainer.model, batch))
             if cuda:
                 torch.cuda.synchronize()
-            seconds = time.perf_counter() - started
+            row["packed" if packed else "plain_rows"] = {
+                "seconds": time.perf_counter() - started,
+                "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None}
+            with torch.no_grad():  # the same forward path's log-probs, outside the timed update
+                log_probs = [trainer._get_per_token_logps_and_entropies(
+                    trainer.model, torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1),
+                    torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1), batch["completion_ids"].size(1),
+                    batch_size=trainer.args.max_step_samples_per_micro_batch)[0] * batch["completion_mask"]
+                    for batch in inputs]
             results[packed] = (log_probs, {name: parameter.grad.detach().clone()
                                            for name, parameter in trainer.model.named_parameters()
                                            if parameter.grad is not None})
-            row["packed" if packed else "plain_rows"] = {
-                "seconds": seconds, "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None}
         (packed_lp, packed_grads), (plain_lp, plain_grads) = results[True], results[False]
         row["max_log_prob_difference"] = max(float((a - b).abs().max()) for a, b in zip(packed_lp, plain_lp))
         row["max_relative_gradient_difference"] = max(
