@@ -16,7 +16,7 @@ from gigpo_trl.envs import (
     ANCHOR_KINDS, INFO_ADMISSIBLE_ACTIONS, INFO_ANCHOR, INFO_ANCHOR_KIND, INFO_TASK, INFO_WON, TextEnv, anchor_of,
     info_metrics,
 )
-from gigpo_trl.observations import observation_key, readable, split_observation
+from gigpo_trl.observations import observation_key, readable, short_repr, split_observation
 
 
 class EnvCheckError(ValueError):
@@ -54,7 +54,7 @@ def check_env(env: TextEnv, *, seed: int = 0, options: dict[str, Any] | None = N
             f"reset(seed={seed}) is not deterministic: two resets gave different "
             + ("observations" if observation_key(again, images_again) != observation_key(observation, images)
                else "anchors")
-            + f" ({_short(readable(observation, images))} vs {_short(readable(again, images_again))}). GiGPO resets N copies of a task with the same seed "
+            + f" ({short_repr(readable(observation, images))} vs {short_repr(readable(again, images_again))}). GiGPO resets N copies of a task with the same seed "
             "and groups their steps by state: an environment that ignores its seed leaves every step group a singleton."
         )
 
@@ -76,7 +76,7 @@ def _checked_reset(env: TextEnv, seed: int, options: dict[str, Any] | None
     """The observation of a reset as (text, images), and its info."""
     result = env.reset(seed=seed, options=options)
     if not (isinstance(result, tuple) and len(result) == 2):
-        raise EnvCheckError(f"reset() must return (observation, info), got {_short(result)}")
+        raise EnvCheckError(f"reset() must return (observation, info), got {short_repr(result)}")
     observation, info = result
     return _check_observation_and_info(observation, info, "reset()"), info
 
@@ -90,7 +90,7 @@ def _play(env: TextEnv, info: Mapping[str, Any], num_steps: int, actions: list[s
         action = admissible[t % len(admissible)] if actions is None else actions[t]
         result = env.step(action)
         if not (isinstance(result, tuple) and len(result) == 5):
-            raise EnvCheckError(f"step() must return (observation, reward, terminated, truncated, info), got {_short(result)}")
+            raise EnvCheckError(f"step() must return (observation, reward, terminated, truncated, info), got {short_repr(result)}")
         observation, reward, terminated, truncated, info = result
         where = f"step({action!r})"
         text, images = _check_observation_and_info(observation, info, where)
@@ -131,7 +131,7 @@ def _check_observation_and_info(observation: Any, info: Any, where: str) -> tupl
             raise EnvCheckError(f"{where}: info['anchor'] must be hashable ({exc})") from None
     admissible = info.get(INFO_ADMISSIBLE_ACTIONS)
     if admissible is not None and not (isinstance(admissible, list | tuple) and all(isinstance(a, str) for a in admissible)):
-        raise EnvCheckError(f"{where}: info['admissible_actions'] must be a list of str, got {_short(admissible)}")
+        raise EnvCheckError(f"{where}: info['admissible_actions'] must be a list of str, got {short_repr(admissible)}")
     if INFO_WON in info and not _is_bool(info[INFO_WON]):
         raise EnvCheckError(f"{where}: info['won'] must be a bool, got {info[INFO_WON]!r}")
     if INFO_TASK in info and not isinstance(info[INFO_TASK], str):
@@ -148,7 +148,3 @@ def _check_observation_and_info(observation: Any, info: Any, where: str) -> tupl
 def _is_bool(value: Any) -> bool:
     return isinstance(value, bool) or type(value).__name__ == "bool_"  # numpy.bool_ too
 
-
-def _short(value: Any, limit: int = 80) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -49,7 +49,7 @@ def split_observation(observation: Any, where: str = "the observation") -> tuple
                 parts.append(IMAGE_MARKER)
             else:
                 raise TypeError(f"{where}, block {k}: a content block is {{'type': 'text', 'text': str}} or "
-                                f"{{'type': 'image', 'image': PIL.Image.Image}}, got {_short(block)}")
+                                f"{{'type': 'image', 'image': PIL.Image.Image}}, got {short_repr(block)}")
         return "\n".join(parts), tuple(images)
     raise TypeError(f"{where} is a {type(observation).__name__}; it must be a str, a PIL image, or a list of content "
                     "blocks ({'type': 'text', 'text': ...}, {'type': 'image', 'image': PIL image})")
@@ -112,7 +112,8 @@ def _checked_image(image: Any, where: str) -> Any:
     return image
 
 
-def _short(value: Any, limit: int = 80) -> str:
+def short_repr(value: Any, limit: int = 80) -> str:
+    """`repr(value)`, cut to `limit` characters (for error messages)."""
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
