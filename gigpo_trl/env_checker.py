@@ -147,4 +147,3 @@ def _check_observation_and_info(observation: Any, info: Any, where: str) -> tupl
 
 def _is_bool(value: Any) -> bool:
     return isinstance(value, bool) or type(value).__name__ == "bool_"  # numpy.bool_ too
-
