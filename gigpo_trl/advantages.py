@@ -37,10 +37,9 @@ from rapidfuzz import process
 from rapidfuzz.distance import Indel
 
 from gigpo_trl.metric_names import GIGPO_PREFIX
+from gigpo_trl.options import EPISODE_STATS_MODES, NORM_MODES
 
 EPSILON = 1e-6
-NORM_MODES = ("mean_std", "mean")
-EPISODE_STATS_MODES = ("steps", "trajectories")
 
 
 @dataclass(frozen=True)

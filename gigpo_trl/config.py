@@ -13,9 +13,10 @@ from typing import Any
 from accelerate.utils import parse_flag_from_env
 from trl import GRPOConfig
 
-from gigpo_trl.advantages import EPISODE_STATS_MODES, NORM_MODES
-from gigpo_trl.dynamic_sampling import SIGNAL_MODES, std_filter_kept_count
-from gigpo_trl.vllm_lora import VLLM_LORA_SYNC_MODES, engine_kwargs_problems
+from gigpo_trl.options import (
+    CONTEXT_OVERFLOW_MODES, EPISODE_STATS_MODES, NORM_MODES, SIGNAL_MODES, TOOL_ANCHOR_MODES, VLLM_LORA_SYNC_MODES,
+    engine_kwargs_problems, std_filter_kept_count,
+)
 
 # Loss types whose normalization ignores rows with a zero loss mask (the rows that keep processes in lock-step):
 # they divide by the token count of the whole generation batch (`num_items_in_batch`). "grpo", "sapo", "dr_grpo"
@@ -33,13 +34,9 @@ REPLACED_FIELDS = {
     "multi_objective_aggregation": ("sum_then_normalize", "there is one reward, the environment's; advantages are "
                                     "normalized by advantage_norm"),
 }
-# Anchors of the environment_factory classes of TRL (gigpo_trl.trl_environment).
-TOOL_ANCHOR_MODES = ("state", "tool_calls")
 DEFAULT_MAX_ENV_STEPS = 50
 # history_length "auto": the window of text environments (environment_factory classes play the whole conversation)
 DEFAULT_HISTORY_LENGTH = 2
-# What a conversation does when its next prompt would not fit the model's context.
-CONTEXT_OVERFLOW_MODES = ("truncate", "drop_oldest")
 
 
 @dataclass

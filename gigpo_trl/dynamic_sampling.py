@@ -32,7 +32,6 @@ Nothing here imports torch or the trainer.
 
 from __future__ import annotations
 
-import math
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -42,10 +41,8 @@ import numpy as np
 
 from gigpo_trl.advantages import GiGPOAdvantages
 from gigpo_trl.metric_names import DYNAMIC_SAMPLING_PREFIX, REWARD_STD_FILTER_PREFIX
+from gigpo_trl.options import SIGNAL_MODES, std_filter_kept_count
 from gigpo_trl.rollout import Rollout, concatenate_rollouts
-
-SIGNAL_MODES = ("returns", "advantages")  # what makes a task group worth an update: see the module docstring
-
 
 @dataclass(frozen=True)
 class SamplingCounts:
@@ -212,13 +209,6 @@ def group_return_stds(groups: Sequence[int], returns: Sequence[float]) -> dict[i
         by_group[int(group)].append(float(episode_return))
     return {group: float(np.std(sorted(values), ddof=1)) if len(values) > 1 else 0.0
             for group, values in by_group.items()}
-
-
-def std_filter_kept_count(num_groups: int, ratio: float) -> int:
-    """`k = ceil(ratio * num_groups)`: the groups the reward-std filter keeps of `num_groups`; at least 1 of any.
-    (RAGEN floors, which keeps none where ratio * num_groups < 1.) The product is rounded to 9 decimals first, so
-    that 0.3 of 10 groups keeps 3 (0.3 * 10 is 3.0000000000000004 in binary floating point)."""
-    return math.ceil(round(ratio * num_groups, 9))
 
 
 def top_std_groups(stds: Sequence[Sequence[float]], ratio: float, *, seed: int, step: int) -> list[list[int]]:

@@ -28,29 +28,14 @@ from typing import TYPE_CHECKING, Any
 
 from peft import LoraConfig, PeftModel, get_peft_model_state_dict
 from peft.tuners.lora import Linear as LoraLinear
-from peft.tuners.tuners_utils import BaseTunerLayer
 
-from gigpo_trl.weight_sync import merge_disabled, sync_lora_out_of_place
+from gigpo_trl.weight_sync import lora_layers, merge_disabled, sync_lora_out_of_place
 
 if TYPE_CHECKING:
     from trl.generation.vllm_generation import VLLMGeneration
 
     from gigpo_trl.config import GiGPOConfig
 
-VLLM_LORA_SYNC_MODES = ("merged", "adapter")
-# The arguments of TRL 1.16's colocated `LLM(...)` call (`VLLMGeneration._init_vllm`) and of the adapter mode, each
-# with the setting that sets it: vllm_engine_kwargs may not set them a second time.
-ENGINE_ARGUMENTS_SET = {
-    "model": "the model given to the trainer", "tensor_parallel_size": "vllm_tensor_parallel_size",
-    "gpu_memory_utilization": "vllm_gpu_memory_utilization", "max_model_len": "vllm_max_model_length",
-    "max_num_seqs": "per_device_train_batch_size x steps_per_generation",
-    "enable_sleep_mode": "vllm_enable_sleep_mode", "model_impl": "vllm_model_impl",
-    "distributed_executor_backend": "TRL (external_launcher)", "seed": "TRL (the process index)",
-    "max_num_batched_tokens": "TRL (4096)", "logprobs_mode": "TRL (processed_logprobs)",
-    "quantization": "the model's quantization_config", "trust_remote_code": "trust_remote_code",
-    "enable_lora": "vllm_lora_sync", "max_lora_rank": "vllm_lora_sync (the adapter's rank)",
-    "max_loras": "vllm_lora_sync",
-}
 # The ranks vLLM's LoRA kernels are built for (vLLM's `LoRAConfig.max_lora_rank`, `MaxLoRARanks`, vLLM 0.31): the
 # engine is started with the smallest of them that holds the adapter's rank.
 VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -135,23 +120,6 @@ def vllm_engine_for(args: GiGPOConfig, model: Any, peft_config: Any) -> Iterator
         yield
     finally:
         vllm_generation.LLM = engine
-
-
-def engine_kwargs_problems(engine_kwargs: Any, use_vllm: bool, vllm_mode: str) -> list[str]:
-    """Why `vllm_engine_kwargs` cannot be added to the colocated engine's start: not a dict of names, set without a
-    colocated engine, or naming an argument TRL (or the adapter mode) already sets (`ENGINE_ARGUMENTS_SET`)."""
-    if not engine_kwargs:
-        return []
-    if not isinstance(engine_kwargs, dict) or not all(isinstance(name, str) for name in engine_kwargs):
-        return [f"vllm_engine_kwargs must be a dict of vLLM engine arguments, got {engine_kwargs!r}"]
-    if not use_vllm or vllm_mode != "colocate":
-        return [f"vllm_engine_kwargs are added to the colocated vLLM engine, and this run has none (use_vllm={use_vllm}, "
-                f"vllm_mode={vllm_mode!r}): a server takes its engine arguments on its own command line (vllm serve "
-                "--kv-cache-memory-bytes ...)"]
-    taken = [f"{name} (set by {ENGINE_ARGUMENTS_SET[name]})" for name in engine_kwargs if name in ENGINE_ARGUMENTS_SET]
-    if taken:
-        return [f"vllm_engine_kwargs may not set what TRL's engine start already sets: {', '.join(taken)}"]
-    return []
 
 
 def quantized_base_problem(args: GiGPOConfig, model: Any) -> str | None:
@@ -294,16 +262,12 @@ def unadaptable_layers(model: PeftModel, engine_modules: set[str]) -> list[str]:
     """The adapted layers of `model` vLLM cannot apply an adapter to, by name and reason: a PEFT layer other than
     LoRA's linear layers (plain or bitsandbytes 4-bit), a LoRA variant (DoRA, ...), or a module whose name is not
     among `engine_modules` (`engine_lora_modules`)."""
-    problems = []
-    for name, module in model.named_modules():
-        if not isinstance(module, BaseTunerLayer):
-            continue
-        if not isinstance(module, LoraLinear) and type(module).__name__ != "Linear4bit":
-            problems.append(f"{name} ({type(module).__module__}.{type(module).__name__}: vLLM adapts linear layers only)")
-        elif getattr(module, "lora_variant", None):
-            problems.append(f"{name} (LoRA variant {', '.join(sorted(type(v).__name__ for v in module.lora_variant.values()))})")
-        elif name.rsplit(".", 1)[-1] not in engine_modules:
-            problems.append(f"{name} (the engine has no LoRA layer for '{name.rsplit('.', 1)[-1]}'; it adapts "
+    plain, problems = lora_layers(
+        model, lambda module: isinstance(module, LoraLinear) or type(module).__name__ == "Linear4bit",
+        ": vLLM adapts linear layers only")
+    for name in plain:
+        module = name.rsplit(".", 1)[-1]
+        if module not in engine_modules:
+            problems.append(f"{name} (the engine has no LoRA layer for '{module}'; it adapts "
                             f"{', '.join(sorted(engine_modules))})")
     return problems
-

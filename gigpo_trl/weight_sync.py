@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from peft import PeftModel
@@ -55,16 +55,25 @@ def sync_lora_out_of_place(generation: VLLMGeneration) -> None:
 def unsupported_layers(model: PeftModel) -> list[str]:
     """The adapted layers whose merge `merged_weight` does not compute: any PEFT layer but `peft.tuners.lora.Linear`,
     and LoRA layers with a variant (DoRA's `DoraLinearVariant`, ...), by module name and class."""
-    problems = []
+    return lora_layers(model, lambda module: type(module) is LoraLinear)[1]
+
+
+def lora_layers(model: PeftModel, accepted: Callable[[Any], bool], refusal: str = "") -> tuple[list[str], list[str]]:
+    """The PEFT-adapted layers of `model`, in two lists: the names of the plain LoRA layers of the kinds `accepted`
+    takes, and the others by name and reason: a layer of another kind (its class, then `refusal`), or a LoRA layer
+    with a variant (DoRA's `DoraLinearVariant`, ...)."""
+    plain, problems = [], []
     for name, module in model.named_modules():
         if not isinstance(module, BaseTunerLayer):
             continue
-        if type(module) is not LoraLinear:
-            problems.append(f"{name} ({type(module).__module__}.{type(module).__name__})")
-        elif module.lora_variant:
+        if not accepted(module):
+            problems.append(f"{name} ({type(module).__module__}.{type(module).__name__}{refusal})")
+        elif getattr(module, "lora_variant", None):
             variants = sorted({type(variant).__name__ for variant in module.lora_variant.values()})
             problems.append(f"{name} (LoRA variant {', '.join(variants)})")
-    return problems
+        else:
+            plain.append(name)
+    return plain, problems
 
 
 def merged_out_of_place(model: PeftModel, named_params: Callable[[], NamedTensors]) -> NamedTensors:

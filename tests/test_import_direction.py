@@ -4,7 +4,11 @@ adapters, installed as `gigpo_trl.environments`): the environments import the co
 What the core may hold of the environments: the registry's "module:attribute" strings (`gigpo_trl.envs`), which
 `make_env` imports by name when an environment of that name is made (and `template_for` when its default prompt
 template is asked for). Nothing else: no import statement, no
-`importlib.import_module` of a literal name."""
+`importlib.import_module` of a literal name.
+
+Within the core, imports flow one way: no two modules import each other, directly or through others, and the
+configuration sits at the bottom of the graph with the option names (`gigpo_trl.options`), importing no rollout,
+vLLM or PEFT code."""
 
 from __future__ import annotations
 
@@ -93,3 +97,58 @@ def test_importing_every_core_module_loads_no_environment():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=False)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+def import_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
+    """Module -> the modules of `modules` it imports (the package's own `__init__` left out: it re-exports)."""
+    return {module: {name for name in imported_names(module, path) if name in modules and name not in (module, "gigpo_trl")}
+            for module, path in modules.items()}
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import circles of a graph: each set of two or more modules that import one another, directly or not
+    (the strongly connected components of more than one module), sorted."""
+    reaches = {module: set() for module in graph}
+    for start in graph:
+        todo = list(graph[start])
+        while todo:
+            module = todo.pop()
+            if module not in reaches[start]:
+                reaches[start].add(module)
+                todo += graph[module]
+    found = {frozenset([module, *(other for other in reaches[module] if module in reaches[other])])
+             for module in graph if module in reaches[module]}
+    return sorted(sorted(circle) for circle in found)
+
+
+def test_the_circle_finder_finds_a_circle_through_three_modules_and_nothing_in_a_line(tmp_path):
+    package = tmp_path / "pkg"
+    package.mkdir()
+    sources = {"a": "from pkg import b\n", "b": "import pkg.c\n", "c": "from pkg.a import thing\n", "d": "import pkg.a\n",
+               "e": "import pkg.d\n"}
+    for name, source in sources.items():
+        (package / f"{name}.py").write_text(source)
+    modules = {f"pkg.{name}": package / f"{name}.py" for name in sources}
+    assert circles(import_graph(modules)) == [["pkg.a", "pkg.b", "pkg.c"]]
+    del modules["pkg.c"]
+    assert circles(import_graph(modules)) == []
+
+
+def test_no_two_core_modules_import_each_other_directly_or_not():
+    assert circles(import_graph(core_modules())) == []
+
+
+def test_the_configuration_imports_only_the_option_names_of_the_package_and_no_rollout_vllm_or_peft_code():
+    imported = imported_names("gigpo_trl.config", CORE / "config.py")
+    package = {name.split(".")[1] for name in imported if name.startswith("gigpo_trl.")}
+    assert package == {"options"}
+    assert not [name for name in imported if name.split(".")[0] in ("peft", "vllm")]
+    assert import_graph(core_modules())["gigpo_trl.options"] == set()
+    # beyond what `import gigpo_trl` loads, `import gigpo_trl.config` loads no module of the package but these two
+    code = ("import sys\nimport gigpo_trl\nlight = set(sys.modules)\nimport gigpo_trl.config\n"
+            "print(sorted(name for name in set(sys.modules) - light if name.startswith('gigpo_trl')\n"
+            "             and name not in ('gigpo_trl.config', 'gigpo_trl.options')))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=False)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
+
