@@ -76,6 +76,7 @@ def bench_rollout(model: str, num_tasks: int, group_size: int, turns: int, token
     from gigpo_trl.rollout import collect_rollout
     from gigpo_trl.tasks import Task, task_dataset
     from gigpo_trl.trainer import GiGPOTrainer
+    from gigpo_trl.turns import TurnBatch
 
     # Answers of exactly `tokens` tokens: HF generate's and vLLM's names for the lower bound differ.
     use_vllm = backend == "vllm"
@@ -92,10 +93,9 @@ def bench_rollout(model: str, num_tasks: int, group_size: int, turns: int, token
     pool = trainer._pool("train", num_tasks, group_size)
 
     def rollout():
-        if trainer.prefix_cache is not None:  # as the trainer's own rollouts start (`GiGPOTrainer._play`)
-            trainer.prefix_cache.clear()
-        return collect_rollout(pool, tasks, trainer._generate_turn, max_env_steps=turns,
-                               dialogue=TextDialogue(trainer.dialogue.template, history_length), show_progress=False)
+        with trainer.turns.rollout():  # as the trainer's own rollouts are played (`GiGPOTrainer._play`)
+            return collect_rollout(pool, tasks, trainer.turns, max_env_steps=turns,
+                                   dialogue=TextDialogue(trainer.dialogue.template, history_length), show_progress=False)
 
     first_prompts = [build_messages(o.observation, task=o.info.get("task"), admissible_actions=o.info.get("admissible_actions"),
                                     template=trainer.dialogue.template) for o in pool.reset(tasks)]
@@ -110,11 +110,11 @@ def bench_rollout(model: str, num_tasks: int, group_size: int, turns: int, token
             settings["max_new_tokens"] = settings["min_new_tokens"] = new_tokens
 
     def one_generation(new_tokens: int):
-        if trainer.prefix_cache is not None:
-            trainer.prefix_cache.clear()
         set_answer_length(new_tokens)
-        try:
-            return trainer._generate_single_turn(prompt_ids, None, {}, 1)[0]
+        try:  # the first turn's prompts through the turn's backend, as a rollout's first turn generates
+            with trainer.turns.rollout():
+                batch = TurnBatch(first_prompts, [None] * len(first_prompts), prompt_ids)
+                return trainer.turns.backend(batch).completion_ids
         finally:
             set_answer_length(tokens)
 

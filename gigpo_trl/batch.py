@@ -17,13 +17,10 @@ from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import pad, use_adapter
 
 from gigpo_trl.dialogue import Completion
+from gigpo_trl.observations import PER_TOKEN_IMAGE_KEYS
 
 if TYPE_CHECKING:
     from trl import GRPOTrainer
-
-
-# The processor's keys with one entry per prompt token (Qwen2-VL's family marks its image tokens), not per image
-PER_TOKEN_IMAGE_KEYS = ("token_type_ids", "mm_token_type_ids")
 
 
 def image_batch(completions: Sequence[Completion], prompt_width: int, completion_width: int,

@@ -15,14 +15,14 @@ followed by the messages of what came back (`Dialogue.turn`), which the generato
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from gigpo_trl.envs import INFO_ADMISSIBLE_ACTIONS, INFO_TASK, EnvOutput
 from gigpo_trl.observations import content_blocks
 from gigpo_trl.parsing import ParsedAction, parse_action
-from gigpo_trl.prompts import PromptTemplate, build_messages
+from gigpo_trl.prompts import PromptTemplate, build_messages, history_window
 
 Messages = list[dict[str, Any]]
 Tools = list[dict[str, Any]]  # JSON schemas of the tools a prompt offers, as `apply_chat_template(tools=...)` takes them
@@ -33,7 +33,8 @@ DUMMY_PROMPT: Messages = [{"role": "user", "content": "."}]
 @dataclass
 class Completion:
     """One generated answer: token ids of the rendered prompt and of the answer, its text, and the
-    sampling log-probs of the answer tokens when the backend returns them (vLLM)."""
+    sampling log-probs of the answer tokens when the backend returns them (vLLM). Built whole by the turn
+    (`gigpo_trl.turns`)."""
 
     prompt_ids: list[int]
     completion_ids: list[int]
@@ -47,6 +48,10 @@ class Completion:
     # patch with `image_grid_thw`), with `num_images`: what the answer was generated from, and what every forward
     # pass of the update reads this row with (`gigpo_trl.batch.image_batch`).
     image_inputs: dict[str, Any] | None = None
+    # The prompt tokens the model forwarded to generate this answer, where the generator counts them (HF generation:
+    # fewer than the prompt's where the prefix cache held some; a prefix shared by a turn's prompts is counted for the
+    # first of them); None where it does not (vLLM).
+    prefill_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -99,19 +104,14 @@ def exchange_count(messages: Messages) -> int:
     return sum(message.get("role") == "assistant" for message in messages)
 
 
-# (prompts, the tools each offers or None) -> one `Completion` (or `PromptTooLong`) per prompt
-TurnGenerator = Callable[[list[Prompt], list[Tools | None]], list[Completion | PromptTooLong]]
-
-
 @dataclass(frozen=True)
 class Exchange:
     """One past step of a trajectory, as later prompts may show it."""
 
-    observation: str  # what the agent saw (its text, `IMAGE_MARKER` where each of `observation_images` stands)
+    state: EnvOutput  # what the agent saw: the environment's output the answer was given in
     action: ParsedAction  # what its answer became
     result: EnvOutput  # what the environment returned
     completion: Completion  # the answer as generated
-    observation_images: tuple[Any, ...] = ()
 
 
 class Dialogue(Protocol):
@@ -162,13 +162,13 @@ class TextDialogue:
             current.observation,
             step=step,
             task=current.info.get(INFO_TASK),
-            history=[(past.observation, past.action.action) for past in history],
+            history=[(past.state.observation, past.action.action) for past in history],
             admissible_actions=current.info.get(INFO_ADMISSIBLE_ACTIONS),
             history_length=history_length,
             template=self.template,
         )
-        shown = list(history)[len(history) - history_length:] if history_length else []
-        images = (*(image for past in shown for image in past.observation_images), *current.images)
+        shown = history_window(history, history_length)
+        images = (*(image for past in shown for image in past.state.images), *current.images)
         if images and self.history_length is None:
             raise ValueError(NO_IMAGES_IN_CONVERSATIONS)
         return [*messages[:-1], {**messages[-1], "content": content_blocks(messages[-1]["content"], images)}]

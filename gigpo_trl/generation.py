@@ -1,7 +1,7 @@
-"""The generation switches a rollout flips on TRL's backends: greedy decoding for held-out evaluation, and vLLM's
-sleep mode woken once per rollout instead of once per turn; the images a turn's prompts hand TRL's generation
-(`generation_image_inputs`); TRL's generated tokens turned into `Completion`s; and the room a prompt has in the model's
-context (`prompt_token_limit`, `over_long_prompts`).
+"""TRL's generation backends as the turn's backend (`TRLGeneration`, `gigpo_trl.turns`), the prefix cache that serves
+their HF path where one can (`generation_prefix_cache`, `generate_through_prefix_cache`), and the switches a rollout
+flips on them: greedy decoding for held-out evaluation, and vLLM's sleep mode woken once per rollout instead of once
+per turn.
 
 The switches change attributes of a `GRPOTrainer` (its `generation_config`, or its `vllm_generation`) for the
 duration of a `with` block and restore them after it.
@@ -9,18 +9,75 @@ duration of a `with` block and restore them after it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+import warnings
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+from trl.models import unwrap_model_for_generation
 
-from gigpo_trl.batch import PER_TOKEN_IMAGE_KEYS
-from gigpo_trl.dialogue import Completion, Prompt, prompt_messages
-from gigpo_trl.observations import message_images
+from gigpo_trl.prefix_cache import PrefixCache, prefix_cache_problem, until_eos
+from gigpo_trl.turns import GeneratedTokens, TurnBatch
 
 if TYPE_CHECKING:
     from trl import GRPOTrainer
+
+
+@dataclass(frozen=True)
+class TRLGeneration:
+    """A `GRPOTrainer`'s generation (transformers, vLLM colocate, vLLM server) as the turn's backend: one call of its
+    `_generate_single_turn` per turn (`GiGPOTrainer`'s runs HF generation at the training's precision, through the
+    prefix cache where one serves, `generate_through_prefix_cache`). On the HF paths it says the prompt tokens each row
+    forwarded: those the prefix cache counted, else every prompt token (vLLM's engine does not say)."""
+
+    trainer: GRPOTrainer
+
+    def __call__(self, batch: TurnBatch) -> GeneratedTokens:
+        trainer = self.trainer
+        completion_ids, logprobs = trainer._generate_single_turn(batch.prompt_ids, batch.images, batch.image_fields, 1)
+        if trainer.use_vllm:
+            return GeneratedTokens(completion_ids, logprobs)
+        cache = trainer.turns.prefix_cache
+        counted = cache.take_counts().forwarded_by_prompt if cache is not None else []
+        return GeneratedTokens(completion_ids, logprobs, counted or [len(ids) for ids in batch.prompt_ids])
+
+
+def generate_through_prefix_cache(trainer: GRPOTrainer, cache: PrefixCache, prompt_ids: list[list[int]]
+                                  ) -> list[list[int]]:
+    """TRL's `generate` path of `_generate_single_turn` through the prefix cache: the same model set-up and generation
+    config, each answer up to its first end token (included), but each prompt token that a sequence forwarded earlier
+    in the rollout holds read from its kept keys and values."""
+    with (
+        unwrap_model_for_generation(
+            trainer.model_wrapped, trainer.accelerator, gather_deepspeed3_params=trainer.args.ds3_gather_for_generation,
+            generation_kwargs=trainer.generation_kwargs,
+            gradient_checkpointing_kwargs=trainer.args.gradient_checkpointing_kwargs,
+        ) as model,
+        torch.no_grad(),
+        trainer._dist.summon_full_params(trainer.model_wrapped, recurse=False),
+    ):
+        generated = cache.generate(model, prompt_ids, trainer.generation_config, trainer._tokenizer.pad_token_id)
+    return [until_eos(row, set(trainer.eos_token_ids)) for row in generated.tolist()]
+
+
+def generation_prefix_cache(trainer: GRPOTrainer) -> PrefixCache | None:
+    """The prefix cache of a trainer's HF generation (`generation_prefix_cache`), or None: under vLLM (its own prefix
+    caching does the same), where switched off, or where it cannot serve (said in one warning)."""
+    if trainer.use_vllm or not trainer.args.generation_prefix_cache:
+        return None
+    zero3 = trainer.is_deepspeed_enabled and trainer.accelerator.state.deepspeed_plugin.zero_stage == 3
+    problem = prefix_cache_problem(
+        trainer.model.config, trainer.generation_config,
+        continuous_batching=trainer.use_transformers_continuous_batching,
+        sharded="ZeRO-3" if zero3 else "FSDP" if trainer.is_fsdp_enabled else None,
+    )
+    if problem:
+        warnings.warn(f"generation_prefix_cache is off: {problem}; every prompt is forwarded whole at every turn "
+                      "(TRL's generate)", stacklevel=3)
+        return None
+    return PrefixCache()
 
 
 @contextmanager
@@ -60,62 +117,3 @@ def vllm_awake(trainer: GRPOTrainer) -> Iterator[None]:
         generation.enable_sleep_mode = True
         generation.llm.sleep(level=2)
         generation._llm_weights_sleeping = True
-
-
-def completions_from_tokens(prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]],
-                            logprobs: Sequence[Sequence[float | None]] | None, *, eos_token_id: int,
-                            decode: Callable[[list[int]], str]) -> list[Completion]:
-    """`Completion`s from what TRL's `_generate_single_turn` returns for a batch of prompts.
-
-    vLLM reports a token whose log-prob is NaN as None: it becomes NaN again (no importance-sampling correction for
-    it). An empty answer becomes the EOS token alone (TRL's loss reads the last token of every answer), with a NaN
-    log-prob.
-    """
-    completions = []
-    for k, ids in enumerate(completion_ids):
-        lps = None if logprobs is None else [float("nan") if lp is None else float(lp) for lp in logprobs[k]]
-        ids = list(ids)
-        if not ids:
-            ids = [eos_token_id]
-            lps = None if lps is None else [float("nan")]
-        completions.append(Completion(list(prompt_ids[k]), ids, decode(ids), lps))
-    return completions
-
-
-def generation_image_inputs(prompts: Sequence[Prompt], prompt_ids: Sequence[Sequence[int]],
-                            image_inputs: Sequence[dict[str, Any] | None]
-                            ) -> tuple[list[list[Any] | None] | None, dict[str, Any]]:
-    """What TRL's `_generate_single_turn` takes with a turn's prompt ids for their images: `images`, each prompt's
-    images (vLLM's `multi_modal_data`; None for a prompt without, and None in all without any), and the processor's
-    tensors of the prompts that have images, concatenated in prompt order (HF generation's `pixel_values`, ...); a
-    per-token key (`gigpo_trl.batch.PER_TOKEN_IMAGE_KEYS`) as one list per prompt, 0s for a prompt without images,
-    which TRL left-pads with the prompts."""
-    if not any(image_inputs):
-        return None, {}
-    images = [message_images(prompt_messages(prompt)) if inputs else None
-              for prompt, inputs in zip(prompts, image_inputs)]
-    rows = [inputs for inputs in image_inputs if inputs]
-    fields = {}
-    for key in rows[0]:
-        if key in PER_TOKEN_IMAGE_KEYS:
-            fields[key] = [inputs[key].reshape(-1).tolist() if inputs else [0] * len(ids)
-                           for ids, inputs in zip(prompt_ids, image_inputs)]
-        elif key != "num_images":
-            fields[key] = torch.cat([inputs[key] for inputs in rows])
-    return images, fields
-
-
-def prompt_token_limit(max_position_embeddings: int | None, vllm_max_model_length: int | None,
-                       max_completion_length: int) -> int | None:
-    """The most tokens a prompt may have so that its answer, up to `max_completion_length` tokens, fits the model's
-    context: vLLM's `max_model_len` where one is set (`vllm_max_model_length`, under vLLM), else the model's
-    `max_position_embeddings`; None where neither is known (no limit is checked)."""
-    context = vllm_max_model_length or max_position_embeddings
-    return None if context is None else context - max_completion_length
-
-
-def over_long_prompts(prompt_ids: Sequence[Sequence[int]], limit: int | None) -> dict[int, int]:
-    """{position: token count} of the prompts of more than `limit` tokens (none without a limit)."""
-    if limit is None:
-        return {}
-    return {k: len(ids) for k, ids in enumerate(prompt_ids) if len(ids) > limit}

@@ -1,5 +1,7 @@
 """What GiGPO changes around TRL's loss, as functions of tensors: a micro-batch split into row chunks of bounded size
-(the memory bound, `max_step_samples_per_micro_batch`), and the entropy bonus as a token mean over the whole rollout.
+(the memory bound, `max_step_samples_per_micro_batch`), the entropy bonus as a token mean over the whole rollout, and
+the loss's metrics repaired: its per-row metrics leave the lock-step padding rows out (`padding_free_row_metrics`), and
+a micro-batch run in several passes logs one value (`merged_pass_metrics`).
 
 Why chunks are exact: the loss types GiGPO allows ("dapo", "cispo", "vespo") sum the per-token loss over a micro-batch
 and divide by one number fixed by the whole rollout (`rollout_token_normalizer`), so the loss of a micro-batch is the
@@ -20,14 +22,66 @@ methods `GiGPOTrainer` overrides around the loss (it inherits the mixin before `
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from accelerate.utils import DistributedType
 from trl.trainer.utils import split_pixel_values_by_grid, split_tensor_dict, unsplit_pixel_values_by_grid
 
-from gigpo_trl.metrics import merged_pass_metrics, padding_free_row_metrics
-from gigpo_trl.packing import joined, pack_rows, packing_problem, rows_by_prompt, unpack
+from gigpo_trl.packing import joined, packed_logps_and_entropies, packing_problem, rows_by_prompt
+
+# GRPOTrainer's loss metrics averaged over rows (not tokens) under importance_sampling_level="sequence"; "vespo/phi_seq_mean"
+# always is.
+SEQUENCE_LEVEL_ROW_METRICS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "cispo_clip_ratio")
+
+
+def padding_free_row_metrics(logged: dict[str, float], real: int, total: int, importance_sampling_level: str) -> dict[str, float]:
+    """The per-row metrics of GRPOTrainer's loss recomputed over the `real` rows of a micro-batch of `total` rows.
+
+    GRPOTrainer averages these over rows, padding rows included. A padding row's values are known: its loss mask
+    is 0 and its advantage 0, so its sequence-level importance ratio is 1, it is never clipped (0), and its VESPO
+    weight phi(1) is 1. Token-level metrics need nothing: they are masked.
+
+    Args:
+        logged: metric name -> the value GRPOTrainer just logged for the micro-batch (all processes).
+        real, total: the micro-batch's real and total rows, all processes.
+    """
+    corrected = {}
+    if "vespo/phi_seq_mean" in logged:
+        corrected["vespo/phi_seq_mean"] = (logged["vespo/phi_seq_mean"] * total - (total - real)) / real
+    if importance_sampling_level == "sequence":
+        for key in SEQUENCE_LEVEL_ROW_METRICS:
+            if key in logged:
+                corrected[key] = logged[key] * total / real
+        if "clip_ratio/low_min" in logged:  # per-row values are 0 or 1: the minimum is 1 only if every real row is 1
+            corrected["clip_ratio/low_min"] = 1.0 if corrected["clip_ratio/low_mean"] >= 1.0 - 1e-9 else 0.0
+    return corrected
+
+
+def merged_pass_metrics(passes: Sequence[float], rows: Sequence[int], tokens: Sequence[int], name: str,
+                        importance_sampling_level: str) -> float:
+    """One loss metric of a micro-batch from its values in the passes it ran in (the memory bound's row chunks), as if
+    it had run in one pass: extremes (`*_min`, `*_max`) by their extreme, `policy_loss` (each pass's share of the
+    rollout's token mean) by its sum, the coefficient `entropy_coef` as it is, and the means by their mean weighted
+    with the real tokens (or, for the row-level ones, the real rows) of each pass.
+
+    Args:
+        passes: the metric's value in each pass that held real rows, in order.
+        rows, tokens: the real rows and real completion tokens of those passes, all processes.
+    """
+    if name.endswith("_min"):
+        return min(passes)
+    if name.endswith("_max"):
+        return max(passes)
+    if name == "policy_loss":
+        return float(sum(passes))
+    if name == "entropy_coef":
+        return passes[-1]
+    row_level = name == "vespo/phi_seq_mean" or (importance_sampling_level == "sequence" and name in SEQUENCE_LEVEL_ROW_METRICS)
+    weights = rows if row_level else tokens
+    return float(np.average(passes, weights=weights))
 
 
 def row_chunks(inputs: dict[str, Any], size: int | None) -> list[dict[str, Any]]:
@@ -188,11 +242,13 @@ class GiGPOLossMixin:
                                            compute_entropy: bool = False, compute_aux_loss: bool = False,
                                            **multimodal: Any):
         """GRPOTrainer's forward pass (the loss's, the old and the reference log-probs'), packed where it is exact
-        (`_packed_logps_and_entropies`); the entropies of the loss's pass (`compute_entropy`) are kept for the entropy
-        bonus of `_compute_loss`."""
+        (`gigpo_trl.packing.packed_logps_and_entropies`); the entropies of the loss's pass (`compute_entropy`) are kept
+        for the entropy bonus of `_compute_loss`."""
         if self._packed_update and not compute_aux_loss and all(value is None for value in multimodal.values()):
-            outputs = self._packed_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, batch_size,
-                                                       compute_entropy)
+            outputs = packed_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy=compute_entropy,
+                attention=self.model.config._attn_implementation, dtype=self.model.dtype,
+                autocast=self.accelerator.autocast)
         else:
             outputs = super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
@@ -200,27 +256,6 @@ class GiGPOLossMixin:
         if compute_entropy:
             self._loss_entropies = outputs[1]
         return outputs
-
-    def _packed_logps_and_entropies(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                                    logits_to_keep: int, batch_size: int | None, compute_entropy: bool):
-        """`_get_per_token_logps_and_entropies` with each pass of `batch_size` rows folded into a prefix trie
-        (`pack_rows`), each shared token forwarded once: the same (B, C) log-probs and entropies, within fp32
-        rounding."""
-        batch_size = batch_size or input_ids.size(0)
-        attention = self.model.config._attn_implementation
-        log_probs, entropies = [], []
-        for start in range(0, input_ids.size(0), batch_size):
-            packed = pack_rows(input_ids[start:start + batch_size], attention_mask[start:start + batch_size],
-                               logits_to_keep)
-            mask = packed.block_mask() if attention == "flex_attention" else \
-                packed.attention_mask(None if attention == "sdpa" else self.model.dtype)
-            with self.accelerator.autocast():
-                outputs = model(input_ids=packed.input_ids, attention_mask=mask,
-                                position_ids=packed.position_ids, shift_labels=packed.shift_labels, fused_lm_head=True)
-            log_probs.append(unpack(outputs.log_probs, packed.gather))
-            if compute_entropy:
-                entropies.append(unpack(outputs.entropy, packed.gather))
-        return torch.cat(log_probs), torch.cat(entropies) if compute_entropy else None, None
 
     def _compute_loss(self, model, inputs: dict[str, Any]) -> torch.Tensor:
         """GRPOTrainer's loss (exact under padding rows: see SUPPORTED_LOSS_TYPES) minus the entropy bonus as a token

@@ -22,7 +22,10 @@ ENV_ERROR_SHARE = "env/env_error_share"
 CONTEXT_OVERFLOW_SHARE = "env/context_overflow_share"  # ended as a step's prompt would not fit the model's context
 # step samples whose prompt dropped the conversation's oldest exchanges to fit the context (context_overflow 'drop_oldest')
 CONTEXT_TRIMMED_SHARE = "env/context_trimmed_share"
-INVALID_ACTION_RATE = "env/invalid_action_rate"
+INVALID_ACTION_RATE = "env/invalid_action_rate"  # answers that broke the format: what invalid_action_penalty charges
+# of all answers, those that broke the format and still named an admissible action, which the lenient parser mapped
+# them onto and the environment played
+INVALID_MAPPED_RATE = "env/invalid_mapped_rate"
 STEP_SAMPLES = "env/step_samples"
 GROUP_RETURN_STD = "env/group_return_std"
 PANEL_TASKS = "env/panel_tasks"
@@ -32,7 +35,7 @@ PASS_AT_PREFIX = "env/pass@"  # env/pass@k (and env/pass@k/<task type>): an eval
 # The names above, which an environment's own metrics (`info["metrics"]`, logged as env/<name>) may not take.
 TRAINER_ENV_METRICS = (
     SUCCESS_RATE, RETURN_MEAN, RETURN_STD, EPISODE_LENGTH_MEAN, TRUNCATED_SHARE, ENV_ERROR_SHARE, CONTEXT_OVERFLOW_SHARE,
-    CONTEXT_TRIMMED_SHARE, INVALID_ACTION_RATE, STEP_SAMPLES, GROUP_RETURN_STD, PANEL_TASKS, PANEL_UNPLAYED,
+    CONTEXT_TRIMMED_SHARE, INVALID_ACTION_RATE, INVALID_MAPPED_RATE, STEP_SAMPLES, GROUP_RETURN_STD, PANEL_TASKS, PANEL_UNPLAYED,
     PANEL_UNPLAYED_TASKS,
 )
 

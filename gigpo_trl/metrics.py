@@ -4,9 +4,8 @@ A process summarizes its own rollout (`RolloutSummary.of`); the trainer gathers 
 `rollout_metrics` turns them into the logged numbers (`env/*`, `gigpo/*`, `loops/*`, `timing/*`, `dynamic_sampling/*`,
 `reward_std_filter/*`, TRL's `reward`, ...), so a metric means the same on one process and on many. An episode whose
 environment failed before its first action (`unplayed`) is in no mean, only in `env/env_error_share`. Evaluations count
-every held-out (task, copy) once, over the tasks they could play (`panel_metrics`, `panel_tasks`), and the loss's
-per-row metrics leave the lock-step padding rows out (`padding_free_row_metrics`; a micro-batch run in several passes
-logs one value, `merged_pass_metrics`). No torch and no trainer state here.
+every held-out (task, copy) once, over the tasks they could play (`panel_metrics`, `panel_tasks`). No torch and no trainer state
+here.
 """
 
 from __future__ import annotations
@@ -25,9 +24,10 @@ from gigpo_trl.dynamic_sampling import SamplingCounts, StdFilterCounts
 from gigpo_trl.loops import EpisodeLoops, LoopCounts
 from gigpo_trl.metric_names import (
     ADVANTAGES_S, CONTEXT_OVERFLOW_SHARE, CONTEXT_TRIMMED_SHARE, ENV_ERROR_SHARE, ENV_PREFIX, ENV_S, EPISODE_LENGTH_MEAN,
-    FRAC_REWARD_ZERO_STD, GENERATION_S, GROUP_RETURN_STD, INVALID_ACTION_RATE, NONZERO_ADVANTAGE_SHARE, NUM_ROWS,
-    PANEL_TASKS, PANEL_UNPLAYED, PASS_AT_PREFIX, PREFILL_TOKENS, PROMPT_TOKENS, RETURN_MEAN, RETURN_STD, ROLLOUT_S,
-    STEP_SAMPLES, SUCCESS_RATE, TOKENS_PER_S, TRUNCATED_SHARE, UPDATE_S, UPDATE_STEP_SAMPLES,
+    FRAC_REWARD_ZERO_STD, GENERATION_S, GROUP_RETURN_STD, INVALID_ACTION_RATE, INVALID_MAPPED_RATE,
+    NONZERO_ADVANTAGE_SHARE, NUM_ROWS, PANEL_TASKS, PANEL_UNPLAYED, PASS_AT_PREFIX, PREFILL_TOKENS, PROMPT_TOKENS,
+    RETURN_MEAN, RETURN_STD, ROLLOUT_S, STEP_SAMPLES, SUCCESS_RATE, TOKENS_PER_S, TRUNCATED_SHARE, UPDATE_S,
+    UPDATE_STEP_SAMPLES,
 )
 from gigpo_trl.rollout import Episode, Rollout
 
@@ -110,6 +110,7 @@ class RolloutSummary:
     group_return_std_sum: float  # summed over those: the std (ddof 1) of their trajectories' returns
     steps: int
     invalid: int
+    invalid_mapped: int  # of those, the answers the lenient parser mapped onto an admissible action
     reward_sum: float
     reward_squares: float
     clipped: int  # answers cut at max_completion_length
@@ -166,6 +167,7 @@ class RolloutSummary:
             group_return_std_sum=sum(statistics.stdev(group) for group in returns_by_group.values() if len(group) > 1),
             steps=len(steps),
             invalid=steps.valid.count(False),
+            invalid_mapped=sum(not valid and match is not None for valid, match in zip(steps.valid, steps.action_match)),
             reward_sum=float(rewards.sum()),
             reward_squares=float((rewards**2).sum()),
             clipped=sum(n >= max_completion_length and c.completion_ids[-1] not in end_token_ids
@@ -215,6 +217,7 @@ def rollout_metrics(summaries: Sequence[RolloutSummary], update_seconds: float |
         CONTEXT_OVERFLOW_SHARE: total("context_overflows") / max(episodes, 1),
         CONTEXT_TRIMMED_SHARE: total("context_trimmed") / max(steps, 1),
         INVALID_ACTION_RATE: total("invalid") / max(steps, 1),
+        INVALID_MAPPED_RATE: total("invalid_mapped") / max(steps, 1),
         STEP_SAMPLES: steps,
         **step_groups,
         UPDATE_STEP_SAMPLES: total("update_samples"),
@@ -260,58 +263,6 @@ def trailing_ratio(value: float, trailing: Sequence[float]) -> float | None:
         return None
     median = statistics.median(trailing)
     return value / median if median > 0 else None
-
-
-# GRPOTrainer's loss metrics averaged over rows (not tokens) under importance_sampling_level="sequence"; "vespo/phi_seq_mean"
-# always is.
-SEQUENCE_LEVEL_ROW_METRICS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "cispo_clip_ratio")
-
-
-def padding_free_row_metrics(logged: dict[str, float], real: int, total: int, importance_sampling_level: str) -> dict[str, float]:
-    """The per-row metrics of GRPOTrainer's loss recomputed over the `real` rows of a micro-batch of `total` rows.
-
-    GRPOTrainer averages these over rows, padding rows included. A padding row's values are known: its loss mask
-    is 0 and its advantage 0, so its sequence-level importance ratio is 1, it is never clipped (0), and its VESPO
-    weight phi(1) is 1. Token-level metrics need nothing: they are masked.
-
-    Args:
-        logged: metric name -> the value GRPOTrainer just logged for the micro-batch (all processes).
-        real, total: the micro-batch's real and total rows, all processes.
-    """
-    corrected = {}
-    if "vespo/phi_seq_mean" in logged:
-        corrected["vespo/phi_seq_mean"] = (logged["vespo/phi_seq_mean"] * total - (total - real)) / real
-    if importance_sampling_level == "sequence":
-        for key in SEQUENCE_LEVEL_ROW_METRICS:
-            if key in logged:
-                corrected[key] = logged[key] * total / real
-        if "clip_ratio/low_min" in logged:  # per-row values are 0 or 1: the minimum is 1 only if every real row is 1
-            corrected["clip_ratio/low_min"] = 1.0 if corrected["clip_ratio/low_mean"] >= 1.0 - 1e-9 else 0.0
-    return corrected
-
-
-def merged_pass_metrics(passes: Sequence[float], rows: Sequence[int], tokens: Sequence[int], name: str,
-                        importance_sampling_level: str) -> float:
-    """One loss metric of a micro-batch from its values in the passes it ran in (the memory bound's row chunks), as if
-    it had run in one pass: extremes (`*_min`, `*_max`) by their extreme, `policy_loss` (each pass's share of the
-    rollout's token mean) by its sum, the coefficient `entropy_coef` as it is, and the means by their mean weighted
-    with the real tokens (or, for the row-level ones, the real rows) of each pass.
-
-    Args:
-        passes: the metric's value in each pass that held real rows, in order.
-        rows, tokens: the real rows and real completion tokens of those passes, all processes.
-    """
-    if name.endswith("_min"):
-        return min(passes)
-    if name.endswith("_max"):
-        return max(passes)
-    if name == "policy_loss":
-        return float(sum(passes))
-    if name == "entropy_coef":
-        return passes[-1]
-    row_level = name == "vespo/phi_seq_mean" or (importance_sampling_level == "sequence" and name in SEQUENCE_LEVEL_ROW_METRICS)
-    weights = rows if row_level else tokens
-    return float(np.average(passes, weights=weights))
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,8 @@ from typing import Any
 # U+FFFC OBJECT REPLACEMENT CHARACTER: Unicode's own placeholder for an embedded object; an environment's text may not
 # hold it.
 IMAGE_MARKER = "\ufffc"
+# A processor's keys with one entry per prompt token (Qwen2-VL's family marks its image tokens), not one per image.
+PER_TOKEN_IMAGE_KEYS = ("token_type_ids", "mm_token_type_ids")
 
 
 def is_image(value: Any) -> bool:

@@ -25,6 +25,8 @@ FlexAttention takes as a block mask without the dense (T x T) one (`PackedRows.b
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,26 +37,35 @@ IGNORED = -100  # a position whose hidden state scores nothing (TRL's label conv
 MASKED_ATTENTION = ("sdpa", "eager")
 
 
+def text_decoder_problem(config: Any, attentions: tuple[str, ...]) -> str | None:
+    """Why a model is not a text decoder whose every layer attends to the whole context through one of `attentions`,
+    or None where it is: what both the packed update and the prefix cache (`gigpo_trl.prefix_cache`) need, since each
+    gives the attention a mask of its own with holes in it, and a sliding window would be replaced by it."""
+    if config.get_text_config() is not config:
+        return f"{config.model_type} is a multimodal model"
+    if config._attn_implementation not in attentions:
+        return f"attn_implementation={config._attn_implementation!r} takes no 4-D attention mask (use one of {attentions})"
+    if getattr(config, "use_sliding_window", True) and getattr(config, "sliding_window", None) or \
+            "sliding_attention" in (getattr(config, "layer_types", None) or ()):
+        return f"{config.model_type} uses sliding-window attention"
+    return None
+
+
 def packing_problem(config: Any, device_type: str = "cpu") -> str | None:
     """Why a model's forward pass cannot be packed exactly, or None where it can.
 
-    Packing needs an attention that takes the trie's 4-D mask as given (or, FlexAttention on CUDA, its block mask:
-    FlexAttention's backward runs on CUDA only in torch 2.13), positions that enter only as differences (rotary
-    embeddings: the plain path's left-padded rows start at a later absolute position), and no sliding window (a custom
-    mask replaces it) and no vision inputs.
+    Packing needs a text decoder (`text_decoder_problem`) whose attention takes the trie's 4-D mask as given (or,
+    FlexAttention on CUDA, its block mask: FlexAttention's backward runs on CUDA only in torch 2.13), and positions
+    that enter only as differences (rotary embeddings: the plain path's left-padded rows start at a later absolute
+    position).
     """
-    text_config = config.get_text_config()
-    if text_config is not config:
-        return f"{config.model_type} is a multimodal model"
+    problem = text_decoder_problem(config, (*MASKED_ATTENTION, "flex_attention"))
+    if problem:
+        return problem
     if config._attn_implementation == "flex_attention" and device_type != "cuda":
         return f"attn_implementation='flex_attention' trains on CUDA only (this model is on {device_type}; use 'sdpa')"
-    if config._attn_implementation not in (*MASKED_ATTENTION, "flex_attention"):
-        return f"attn_implementation={config._attn_implementation!r} takes no 4-D attention mask (use one of {MASKED_ATTENTION})"
     if getattr(config, "rope_parameters", None) is None and getattr(config, "rope_theta", None) is None:
         return f"{config.model_type}'s positions are not rotary, so a left-padded row's positions would differ"
-    if getattr(config, "use_sliding_window", True) and getattr(config, "sliding_window", None) or \
-            "sliding_attention" in (getattr(config, "layer_types", None) or ()):
-        return f"{config.model_type} uses sliding-window attention, which a packed mask would replace"
     return None
 
 
@@ -280,3 +291,32 @@ def joined(batches: list[dict[str, Any]]) -> dict[str, Any]:
             [item for batch in batches for item in batch[key]] if isinstance(value, list) else value
             for key, value in first.items()}
 
+
+
+def packed_logps_and_entropies(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
+                               batch_size: int | None, *, compute_entropy: bool, attention: str, dtype: torch.dtype,
+                               autocast: Callable[[], AbstractContextManager]) -> tuple[torch.Tensor, torch.Tensor | None, None]:
+    """`GRPOTrainer._get_per_token_logps_and_entropies`, packed: each pass of `batch_size` rows (all rows: None) folded
+    into a prefix trie (`pack_rows`), each shared token forwarded once, the outputs handed back to the rows (`unpack`):
+    the same (B, C) log-probs (and entropies) within fp32 rounding, and None for the auxiliary loss, as the parent's.
+
+    Args:
+        model: the model TRL's forward pass calls (wrapped by accelerate or not).
+        input_ids, attention_mask: (B, L) left-padded prompts and right-padded completions of C = `logits_to_keep`.
+        attention: the model's attention implementation: FlexAttention takes the trie's block mask, the others its
+            dense 4-D mask (`dtype`, the model's, for an additive one).
+        autocast: the training's autocast context (`accelerator.autocast`).
+    """
+    batch_size = batch_size or input_ids.size(0)
+    log_probs, entropies = [], []
+    for start in range(0, input_ids.size(0), batch_size):
+        packed = pack_rows(input_ids[start:start + batch_size], attention_mask[start:start + batch_size], logits_to_keep)
+        mask = packed.block_mask() if attention == "flex_attention" else \
+            packed.attention_mask(None if attention == "sdpa" else dtype)
+        with autocast():
+            outputs = model(input_ids=packed.input_ids, attention_mask=mask, position_ids=packed.position_ids,
+                            shift_labels=packed.shift_labels, fused_lm_head=True)
+        log_probs.append(unpack(outputs.log_probs, packed.gather))
+        if compute_entropy:
+            entropies.append(unpack(outputs.entropy, packed.gather))
+    return torch.cat(log_probs), torch.cat(entropies) if compute_entropy else None, None

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from gigpo_trl.packing import MASKED_ATTENTION
+from gigpo_trl.packing import MASKED_ATTENTION, text_decoder_problem
 
 # per layer (keys, values), each (kv_heads, tokens, head_dim): the cache of one token sequence
 KeptLayers = list[tuple[torch.Tensor, torch.Tensor]]
@@ -44,20 +44,15 @@ def prefix_cache_problem(config: Any, generation_config: Any, *, continuous_batc
                          sharded: str | None = None) -> str | None:
     """Why `PrefixCache` cannot serve a model's generation, or None where it can.
 
-    It needs a text decoder whose every layer attends to the whole context (a sliding window would drop kept tokens)
-    through an attention that honours a 2-D mask with holes in it, `generate`'s dynamic cache, TRL's `generate` path
-    (not continuous batching), and forwards that each process may make on its own: a `sharded` model (ZeRO-3, FSDP)
-    runs a collective at every forward, even with its parameters gathered for generation, and the shared prefixes'
-    forwards differ from process to process.
+    It needs a text decoder whose attention honours a 2-D mask with holes in it (`text_decoder_problem`: a sliding
+    window would drop kept tokens), `generate`'s dynamic cache, TRL's `generate` path (not continuous batching), and
+    forwards that each process may make on its own: a `sharded` model (ZeRO-3, FSDP) runs a collective at every
+    forward, even with its parameters gathered for generation, and the shared prefixes' forwards differ from process
+    to process.
     """
-    text_config = config.get_text_config()
-    if text_config is not config:
-        return f"{config.model_type} is a multimodal model"
-    if config._attn_implementation not in MASKED_ATTENTION:
-        return f"attn_implementation={config._attn_implementation!r} is not one of {MASKED_ATTENTION}"
-    if getattr(config, "use_sliding_window", True) and getattr(config, "sliding_window", None) or \
-            "sliding_attention" in (getattr(config, "layer_types", None) or ()):
-        return f"{config.model_type} uses sliding-window attention"
+    problem = text_decoder_problem(config, MASKED_ATTENTION)
+    if problem:
+        return problem
     if getattr(generation_config, "cache_implementation", None) not in (None, "dynamic"):
         return f"cache_implementation={generation_config.cache_implementation!r} is not the dynamic cache"
     if continuous_batching:
@@ -70,10 +65,13 @@ def prefix_cache_problem(config: Any, generation_config: Any, *, continuous_batc
 @dataclass
 class PrefillCounts:
     """Prompt tokens of the generation calls since the counts were last taken, and how many of them were forwarded
-    (the rest were read from kept keys and values)."""
+    (the rest were read from kept keys and values), in all and by prompt: `forwarded_by_prompt` holds, for each prompt
+    of those calls in order, the tokens forwarded for it (a prefix several prompts of a call share is forwarded once,
+    and counted for the first of them), which add up to `forwarded_tokens`."""
 
     prompt_tokens: int = 0
     forwarded_tokens: int = 0
+    forwarded_by_prompt: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -116,8 +114,9 @@ class PrefixCache:
         self.counts.prompt_tokens += sum(map(len, prompts))
         for kept in self._kept:
             kept.used = False
-        self._forward_shared_prefixes(model, prompts, pad_token_id)
-        inputs, attention_mask, cache = self._layout(prompts, pad_token_id, model.device)
+        shared = self._forward_shared_prefixes(model, prompts, pad_token_id)
+        inputs, attention_mask, cache, own = self._layout(prompts, pad_token_id, model.device)
+        self.counts.forwarded_by_prompt += [tokens + more for tokens, more in zip(own, shared)]
         generation_config = copy.copy(generation_config)
         generation_config.return_dict_in_generate = True
         output = model.generate(input_ids=inputs, attention_mask=attention_mask, past_key_values=cache,
@@ -132,22 +131,28 @@ class PrefixCache:
                                     _row_layers(output.past_key_values, row, attention_mask[row], len(answer)), False))
         return generated
 
-    def _forward_shared_prefixes(self, model, prompts: list[np.ndarray], pad_token_id: int) -> None:
+    def _forward_shared_prefixes(self, model, prompts: list[np.ndarray], pad_token_id: int) -> list[int]:
         """Forward, once each, the prefixes the prompts share that are not kept yet: the longest common prefix of them
         all, then each prompt's longest prefix in common with another (one batched forward each, the second reusing
-        the first)."""
+        the first). Returns the tokens forwarded for each prompt: a prefix's, counted for the first prompt that starts
+        with it."""
+        forwarded = [0] * len(prompts)
         for prefixes in _shared_prefixes(prompts):
             todo = [ids for ids in prefixes
                     if len(ids) >= self.min_shared_tokens and self._longest_kept(ids, len(ids))[0] < len(ids)]
             if not todo:
                 continue
-            inputs, attention_mask, cache = self._layout(todo, pad_token_id, model.device)
+            inputs, attention_mask, cache, tokens = self._layout(todo, pad_token_id, model.device)
+            for ids, count in zip(todo, tokens):
+                first = next(k for k, prompt in enumerate(prompts) if _common_prefix_length(prompt, ids) == len(ids))
+                forwarded[first] += count
             new = inputs.size(1) - (cache.get_seq_length() if cache is not None else 0)
             positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -new:]
             output = model(input_ids=inputs[:, -new:], attention_mask=attention_mask, position_ids=positions,
                            past_key_values=cache, use_cache=True)
             for row, ids in enumerate(todo):
                 self._kept.append(_Kept(ids, _row_layers(output.past_key_values, row, attention_mask[row], 0), True))
+        return forwarded
 
     def _longest_kept(self, ids: np.ndarray, limit: int) -> tuple[int, KeptLayers | None]:
         """The longest prefix of `ids`, of at most `limit` tokens, that a kept sequence starts with: (its length, that
@@ -163,17 +168,18 @@ class PrefixCache:
         return best, chosen.layers
 
     def _layout(self, sequences: list[np.ndarray], pad_token_id: int,
-                device: torch.device) -> tuple[torch.Tensor, torch.Tensor, object | None]:
+                device: torch.device) -> tuple[torch.Tensor, torch.Tensor, object | None, list[int]]:
         """The batch of sequences over their longest kept prefixes (each leaves at least one token to forward): input
         ids and attention mask (B, C + N), rows laid out as [pads | kept prefix | pads | new tokens] with C the longest
-        kept prefix and N the most new tokens, and the `DynamicCache` of the first C columns (None when nothing is
-        kept). Counts the tokens to forward."""
+        kept prefix and N the most new tokens, the `DynamicCache` of the first C columns (None when nothing is kept),
+        and each sequence's tokens to forward (counted)."""
         from transformers import DynamicCache
 
         kept = [self._longest_kept(ids, len(ids) - 1) for ids in sequences]
-        self.counts.forwarded_tokens += sum(len(ids) - length for ids, (length, _) in zip(sequences, kept))
+        new_tokens = [len(ids) - length for ids, (length, _) in zip(sequences, kept)]
+        self.counts.forwarded_tokens += sum(new_tokens)
         cached = max(length for length, _ in kept)
-        new = max(len(ids) - length for ids, (length, _) in zip(sequences, kept))
+        new = max(new_tokens)
         inputs = torch.full((len(sequences), cached + new), pad_token_id, dtype=torch.long)
         attention_mask = torch.zeros_like(inputs)
         for row, (ids, (length, _)) in enumerate(zip(sequences, kept)):
@@ -182,7 +188,7 @@ class PrefixCache:
             attention_mask[row, cached - length: cached] = 1
             attention_mask[row, cached + new - (len(ids) - length):] = 1
         if cached == 0:
-            return inputs.to(device), attention_mask.to(device), None
+            return inputs.to(device), attention_mask.to(device), None, new_tokens
         reference = next(layers for _, layers in kept if layers is not None)
         data = []
         for layer, (keys, values) in enumerate(reference):
@@ -193,7 +199,7 @@ class PrefixCache:
                     batch_keys[row, :, cached - length:] = layers[layer][0][:, :length]
                     batch_values[row, :, cached - length:] = layers[layer][1][:, :length]
             data.append((batch_keys, batch_values))
-        return inputs.to(device), attention_mask.to(device), DynamicCache(ddp_cache_data=data)
+        return inputs.to(device), attention_mask.to(device), DynamicCache(ddp_cache_data=data), new_tokens
 
 
 def _shared_prefixes(prompts: list[np.ndarray]) -> list[list[np.ndarray]]:

@@ -11,8 +11,11 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import TypeVar
 
 from gigpo_trl.envs import env_prompt_template, prompt_template_envs
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -110,6 +113,11 @@ def load_template(name_or_path: str) -> PromptTemplate:
     return PromptTemplate(**values)
 
 
+def history_window(history: Sequence[T], length: int | None) -> list[T]:
+    """The last `length` entries of an episode's history, the ones a prompt shows (none for 0 or None)."""
+    return list(history)[len(history) - length:] if length else []
+
+
 def build_messages(
     observation: str,
     *,
@@ -142,7 +150,7 @@ def build_messages(
     sections = []
     if task:
         sections.append(template.task.format(task=task))
-    shown = list(history)[len(history) - history_length :] if history_length else []
+    shown = history_window(history, history_length)
     if shown:
         first = step - len(shown)
         steps = [

@@ -20,14 +20,19 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from gigpo_trl.dialogue import (
-    DUMMY_PROMPT, Completion, ContinuedPrompt, Dialogue, Exchange, Messages, Prompt, PromptTooLong, TextDialogue,
-    TurnGenerator, prompt_messages, without_oldest_exchanges,
+    DUMMY_PROMPT, Completion, ContinuedPrompt, Dialogue, Exchange, Messages, Prompt, PromptTooLong, TextDialogue, Tools,
+    prompt_messages, without_oldest_exchanges,
 )
 from gigpo_trl.env_pool import INFO_ENV_ERROR, EnvPool
 from gigpo_trl.envs import INFO_ANCHOR_KIND, INFO_TASK_TYPE, INFO_WON, EnvOutput, info_metrics
 from gigpo_trl.loops import EpisodeLoops, episode_loops
 from gigpo_trl.observations import readable
 from gigpo_trl.tasks import Task
+
+# A turn's generation: (prompts, the tools each offers or None) -> one `Completion` (or `PromptTooLong`) per prompt.
+# The trainer's is a `gigpo_trl.turns.TurnGenerator`; any callable of this shape plays a rollout (a scripted policy).
+GenerateTurn = Callable[[list[Prompt], list[Tools | None]], list[Completion | PromptTooLong]]
+
 
 @dataclass
 class StepColumns:
@@ -46,6 +51,9 @@ class StepColumns:
     completion: list[Completion] = field(default_factory=list)
     action: list[str] = field(default_factory=list)  # what the environment received
     valid: list[bool] = field(default_factory=list)  # the answer followed the <action> format
+    # how the lenient parser found the action among the admissible ones ("exact", "case", "number", "contained"); None
+    # where it did not (the answer's text was sent as written)
+    action_match: list[str | None] = field(default_factory=list)
     reward: list[float] = field(default_factory=list)  # r_t, the reward received after the action
 
     def __len__(self) -> int:
@@ -99,9 +107,14 @@ class Rollout:
     generated_tokens: int = 0
     generation_seconds: float = 0.0
     env_seconds: float = 0.0
-    # prompt tokens the model forwarded to read the rollout's prompts (HF generation: fewer than their tokens where the
-    # prefix cache held some); None where the generator does not say (vLLM)
-    prefill_tokens: int | None = None
+
+    @property
+    def prefill_tokens(self) -> int | None:
+        """The prompt tokens the model forwarded to generate the step samples' answers (`Completion.prefill_tokens`;
+        HF generation: fewer than their prompts' tokens where the prefix cache held some); None where the generator
+        does not say for some answer (vLLM)."""
+        counts = [completion.prefill_tokens for completion in self.steps.completion]
+        return None if None in counts else sum(counts)
 
     @property
     def num_groups(self) -> int:
@@ -139,15 +152,13 @@ def concatenate_rollouts(parts: Sequence[Rollout]) -> Rollout:
         merged.generation_seconds += part.generation_seconds
         merged.env_seconds += part.env_seconds
         groups, trajectories = groups + part.num_groups, trajectories + len(part.episodes)
-    if all(part.prefill_tokens is not None for part in parts):
-        merged.prefill_tokens = sum(part.prefill_tokens for part in parts)
     return merged
 
 
 def collect_rollout(
     pool: EnvPool,
     tasks: Sequence[Task],
-    generate: TurnGenerator,
+    generate: GenerateTurn,
     *,
     max_env_steps: int,
     dialogue: Dialogue = TextDialogue(),
@@ -227,9 +238,9 @@ def collect_rollout(
             rollout.steps.append(
                 group=episode.group, trajectory=i, step=t, anchor=current[i].anchor,
                 observation=readable(current[i].observation, current[i].images), prompt=shown[i], completion=completion,
-                action=parsed[i].action, valid=parsed[i].valid, reward=result.reward,
+                action=parsed[i].action, valid=parsed[i].valid, action_match=parsed[i].match, reward=result.reward,
             )
-            histories[i].append(Exchange(current[i].observation, parsed[i], result, completion, current[i].images))
+            histories[i].append(Exchange(current[i], parsed[i], result, completion))
             episode.length += 1
             episode.episode_return += result.reward
             episode.final_anchor = result.anchor

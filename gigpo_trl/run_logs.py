@@ -8,6 +8,7 @@ distinct tasks, and the training-health checks of a training step's log (gradien
 from __future__ import annotations
 
 import math
+import time
 import warnings
 from collections import defaultdict, deque
 from typing import Any
@@ -51,6 +52,9 @@ class RunLogsMixin:
         self._health = TrainingHealth()  # the training-health rules over the logged training steps
         self._rollouts_recorded: dict[str, int] | None = None  # per mode; None until the records are opened
         self._eval_episodes: list[PanelEpisode] = []  # this process's evaluation episodes since the last log
+        # `timing/update_s`: the time from one training rollout's end to the next one's start, less evaluations
+        self._last_rollout_end: float | None = None
+        self._seconds_outside_updates = 0.0
         self.add_callback(ReportCallback())
         # TRL keeps the completion logs of the latest rollout: one entry per trajectory there, up to
         # max_env_steps step samples per trajectory (of every round of dynamic sampling) here.
@@ -65,9 +69,14 @@ class RunLogsMixin:
                  metric_key_prefix: str = "eval") -> dict[str, float]:
         """GRPOTrainer's evaluation, of a panel named by `metric_key_prefix` past "eval_" (TRL evaluates a dict of
         eval datasets each under `eval_<name>`, and `gigpo_trl.evaluation.evaluate_panels` names its panels so): its
-        metrics are logged as `eval_<panel>_<name>` and its record (`last_evaluation`) carries the panel's name."""
+        metrics are logged as `eval_<panel>_<name>` and its record (`last_evaluation`) carries the panel's name. Its
+        time is kept out of `timing/update_s`."""
         self._panel = metric_key_prefix.removeprefix("eval").removeprefix("_") or None
-        return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
+        started = time.perf_counter()
+        try:
+            return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
+        finally:
+            self._seconds_outside_updates += time.perf_counter() - started
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """GRPOTrainer's log; an evaluation's episode metrics are first recomputed over its distinct tasks, those it
@@ -165,7 +174,7 @@ class RunLogsMixin:
             warnings.warn(SINGLETON_WARNING.format(share=singleton_share), stacklevel=2)
         if metrics[CONTEXT_OVERFLOW_SHARE] and not self._warned_context_overflow:
             self._warned_context_overflow = True
-            warnings.warn(_context_overflow_message(mode, metrics[CONTEXT_OVERFLOW_SHARE], self.prompt_token_limit,
+            warnings.warn(_context_overflow_message(mode, metrics[CONTEXT_OVERFLOW_SHARE], self.turns.prompt_token_limit,
                                                     self.max_completion_length), stacklevel=2)
         return metrics
 

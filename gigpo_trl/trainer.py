@@ -7,39 +7,28 @@ import multiprocessing
 import os
 import textwrap
 import time
-import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from accelerate.utils import gather_object
-from trl.models import unwrap_model_for_generation
 from datasets import Dataset
 from trl import GRPOTrainer
-from trl.chat_template_utils import get_training_chat_template
-from trl.data_utils import prepare_multimodal_messages
 
 from gigpo_trl.advantages import GiGPOAdvantages, compute_gigpo_advantages
 from gigpo_trl.batch import loss_batch, rows_for_update
 from gigpo_trl.config import GiGPOConfig
-from gigpo_trl.conversation import ChatTurns
-from gigpo_trl.dialogue import (
-    DUMMY_PROMPT, Completion, ContinuedPrompt, Dialogue, Messages, Prompt, PromptTooLong, TextDialogue, Tools, exchange_count,
-    without_oldest_exchanges,
-)
+from gigpo_trl.dialogue import Dialogue, TextDialogue
 from gigpo_trl.dynamic_sampling import extra_task_rows, filter_by_return_std, sample_groups
 from gigpo_trl.env_pool import EnvPool
 from gigpo_trl.envs import TextEnv, env_factory
 from gigpo_trl.fork_server import ForkServer
 from gigpo_trl.generation import (
-    completions_from_tokens, generation_image_inputs, greedy_decoding, over_long_prompts, prompt_token_limit,
-    vllm_awake,
+    TRLGeneration, generate_through_prefix_cache, generation_prefix_cache, greedy_decoding, vllm_awake,
 )
 from gigpo_trl.loss import GiGPOLossMixin
 from gigpo_trl.metrics import PanelEpisode, RolloutTimes
 from gigpo_trl.models import resolve_model
-from gigpo_trl.observations import message_images
-from gigpo_trl.prefix_cache import PrefixCache, prefix_cache_problem, until_eos
 from gigpo_trl.prompts import PromptTemplate, load_template, template_for
 from gigpo_trl.rollout import Rollout, collect_rollout
 from gigpo_trl.run_logs import RunLogsMixin
@@ -47,6 +36,7 @@ from gigpo_trl.tasks import Task, check_task_datasets, row_tasks, tasks_from_row
 from gigpo_trl.trl_environment import (
     ToolCallDialogue, TRLEnvironment, check_tool_chat_template, checked_trainer_arguments,
 )
+from gigpo_trl.turns import PromptRenderer, TurnGenerator, conversation_turns, prompt_token_limit
 from gigpo_trl.vllm_lora import install_weight_sync, vllm_engine_for
 
 
@@ -67,8 +57,10 @@ class GiGPOTrainer(GiGPOLossMixin, RunLogsMixin, GRPOTrainer):
 
     What changes w.r.t. `GRPOTrainer` (the loss path in `GiGPOLossMixin`, `gigpo_trl.loss`; the logging in
     `RunLogsMixin`, `gigpo_trl.run_logs`; the rest here):
-    - `_generate_and_score_completions` runs the rollout (generating through the parent's `_generate_single_turn`,
-      so transformers, vLLM colocate and vLLM server generation all work), computes the advantages (with dynamic
+    - `_generate_and_score_completions` runs the rollout, whose turns (`turns`, a `gigpo_trl.turns.TurnGenerator`)
+      generate through the parent's `_generate_single_turn`, so transformers, vLLM colocate and vLLM server
+      generation all work (HF generation at the training's precision, through the prefix cache where one serves);
+      it computes the advantages (with dynamic
       sampling, `dynamic_sampling_max_rounds`, plays more rounds of tasks until enough task groups carry a signal;
       reward-std filtering, `reward_std_filter_ratio`, keeps the groups of the largest return std over all processes),
       and returns exactly the batch the parent's `_compute_loss` expects, with zero-weight padding rows that keep
@@ -82,7 +74,7 @@ class GiGPOTrainer(GiGPOLossMixin, RunLogsMixin, GRPOTrainer):
     - `_get_per_token_logps_and_entropies` folds the rows of each forward pass of the update into a prefix trie
       (`packed_update`, `gigpo_trl.packing`): each token the rows share is forwarded once, with the parent's log-probs
       and gradients; `_prepare_inputs` then splits a rollout's rows by prompt where the split changes no update.
-    - `evaluate` keeps its time out of `timing/update_s`; `log` first recomputes an evaluation's episode metrics over
+    - `evaluate` names its panel and keeps its time out of `timing/update_s`; `log` first recomputes an evaluation's episode metrics over
       its distinct tasks, and adds to a training step's log its gradient norm's spike ratio, checks it for a policy
       that loops (`gigpo_trl.loops`) and records it for the report.
     - With vLLM and a LoRA adapter, TRL's weight sync hands vLLM merged weights computed out of place
@@ -176,12 +168,6 @@ class GiGPOTrainer(GiGPOLossMixin, RunLogsMixin, GRPOTrainer):
             )
         # TRL's sync of a LoRA model would move its base weights (W + dW - dW); the adapter mode's sync, or None
         self.vllm_adapter_sync = install_weight_sync(self.vllm_generation, args.vllm_lora_sync) if self.use_vllm else None
-        # A prompt longer than this ends its episode rather than reach the model (`_generate_turn`).
-        self.prompt_token_limit = prompt_token_limit(
-            getattr(self.model.config, "max_position_embeddings", None),
-            args.vllm_max_model_length if self.use_vllm else None, self.max_completion_length)
-        # HF generation reads each distinct prompt token of a rollout once (`gigpo_trl.prefix_cache`)
-        self.prefix_cache = self._prefix_cache()
         self.environment_factory = environment_factory
         history_length = args.history_shown(tool_environment=environment_factory is not None)
         if args.context_overflow == "drop_oldest" and history_length is not None:
@@ -200,15 +186,34 @@ class GiGPOTrainer(GiGPOLossMixin, RunLogsMixin, GRPOTrainer):
                                          anchor=args.tool_anchor, max_steps=args.max_env_steps)
             self.env_name = getattr(environment_factory, "__name__", type(environment_factory).__name__)
             self.dialogue = ToolCallDialogue(self.processing_class, history_length)
-        # Conversation mode: every prompt after an episode's first continues the one before it, token for token
-        self.chat_turns = None if history_length is not None else self._chat_turns(
-            "tool" if environment_factory is not None else "user")
+        self.turns = self._turn_generator(conversation=history_length is None)
         self._setup_loss()
-        self._pools: dict[str, EnvPool] = {}
-        self._last_rollout_end: float | None = None  # of the latest training rollout
-        self._seconds_outside_updates = 0.0  # evaluation time since then, which is not the update's
-        self.last_rollout: Rollout | None = None  # the latest rollout of this process (trajectories, for reports)
         self._setup_run_logs()
+        self._pools: dict[str, EnvPool] = {}
+        self.last_rollout: Rollout | None = None  # the latest rollout of this process (trajectories, for reports)
+
+    def _turn_generator(self, *, conversation: bool) -> TurnGenerator:
+        """The turn (`gigpo_trl.turns`): prompts rendered with the chat template TRL renders them with (in conversation
+        mode, every prompt after an episode's first continuing the one before it token for token, with TRL's training
+        template where the model's is not prefix-preserving), generated from through TRL's backends, and a prompt that
+        would not fit the model's context ending its episode rather than reach the model."""
+        chat_turns = None
+        if conversation:
+            chat_turns, self.chat_template = conversation_turns(
+                self.processing_class, self.chat_template, self.chat_template_kwargs, self.eos_token_ids,
+                "tool" if self.environment_factory is not None else "user")
+        render = PromptRenderer(self.processing_class, lambda prompts: self._tokenize_prompts(prompts)[0],
+                                self.chat_template, self.chat_template_kwargs, reads_images=self._is_vlm,
+                                chat_turns=chat_turns, env_name=self.env_name)
+        return TurnGenerator(
+            render, TRLGeneration(self), self.eos_token_ids[0],
+            decode=lambda ids: self._tokenizer.decode(ids, skip_special_tokens=True),
+            prompt_token_limit=prompt_token_limit(getattr(self.model.config, "max_position_embeddings", None),
+                                                  self.args.vllm_max_model_length if self.use_vllm else None,
+                                                  self.max_completion_length),
+            drop_oldest_target=self.args.drop_oldest_target if self.args.context_overflow == "drop_oldest" else None,
+            prefix_cache=generation_prefix_cache(self),
+        )
 
     # ------------------------------------------------------------------------------------------
     # The rollout -> advantages -> batch script.
@@ -270,7 +275,8 @@ class GiGPOTrainer(GiGPOLossMixin, RunLogsMixin, GRPOTrainer):
             completions = [rollout.steps.completion[r] for r in rows]
             advantages = [float(gigpo.advantages[r]) * w for r, w in zip(rows, weights)]
         else:  # no sample to train on here: zero-weight stand-ins keep this process in lock-step
-            rows, completions, advantages = [], [self._dummy_completion()] * len(weights), [0.0] * len(weights)
+            rows, advantages = [], [0.0] * len(weights)
+            completions = [self.turns.dummy_completion(nan_logprob=self.use_vllm)] * len(weights)
         batch = loss_batch(self, completions, weights, advantages, mode, sampled=not greedy)
 
         # 5. Metrics, records and completion logs.
@@ -298,26 +304,17 @@ class GiGPOTrainer(GiGPOLossMixin, RunLogsMixin, GRPOTrainer):
     def _play(self, pool: EnvPool, tasks: list[Task], greedy: bool) -> Rollout:
         """Play the tasks (none: only make the generation calls of the other processes' turns) through TRL's
         generation backends, in lock-step with the other processes."""
-        if self.prefix_cache is not None:  # what it keeps belongs to the weights of the rollout before
-            self.prefix_cache.clear()
-            self.prefix_cache.take_counts()
-        with greedy_decoding(self, greedy), vllm_awake(self):
-            rollout = collect_rollout(
+        with greedy_decoding(self, greedy), vllm_awake(self), self.turns.rollout():
+            return collect_rollout(
                 pool,
                 tasks,
-                self._generate_turn,
+                self.turns,
                 max_env_steps=self.args.max_env_steps,
                 dialogue=self.dialogue,
                 max_across_processes=self._max_across_processes,
                 equal_prompt_counts=self.use_vllm and (self.vllm_mode == "server" or self.args.vllm_tensor_parallel_size > 1),
                 show_progress=self.accelerator.is_main_process,
             )
-        if self.prefix_cache is not None:
-            rollout.prefill_tokens = self.prefix_cache.take_counts().forwarded_tokens
-            self.prefix_cache.clear()
-        elif not self.use_vllm:  # TRL's generate forwards every prompt whole
-            rollout.prefill_tokens = sum(len(completion.prompt_ids) for completion in rollout.steps.completion)
-        return rollout
 
     def _advantages(self, rollout: Rollout) -> GiGPOAdvantages:
         """The GiGPO advantages of a rollout's step samples, with the configured settings."""
@@ -349,174 +346,21 @@ class GiGPOTrainer(GiGPOLossMixin, RunLogsMixin, GRPOTrainer):
             tasks = self._tasks(rows, pool.group_size, "train", round_)
         return self._play(pool, tasks, greedy=False)
 
-    def _generate_turn(self, prompts: list[Prompt], tools: list[Tools | None]) -> list[Completion | PromptTooLong]:
-        """One batched generation over the prompts of one turn (each rendered with the tools it offers, if any; a
-        conversation's continued prompt is extended by its new turn's ids, `ChatTurns`), through TRL's generation
-        backends. A prompt of more than `prompt_token_limit` tokens is not generated from (`PromptTooLong`; the dummy
-        prompt takes its place in the call, which keeps every process's call alike)."""
-        prompt_ids, image_inputs = self._prompt_inputs(prompts, tools)
-        too_long = over_long_prompts(prompt_ids, self.prompt_token_limit)
-        dropped: dict[int, int] = {}
-        if self.args.context_overflow == "drop_oldest":
-            for k in [k for k in too_long if isinstance(prompts[k], ContinuedPrompt)]:
-                fitted = self._fit_context(prompts[k].messages, tools[k])
-                if fitted is not None:
-                    dropped[k], prompt_ids[k] = fitted
-                    del too_long[k]
-        if too_long:
-            dummy = self._tokenize_prompts([DUMMY_PROMPT])[0][0]
-            prompt_ids = [dummy if k in too_long else ids for k, ids in enumerate(prompt_ids)]
-            image_inputs = [None if k in too_long else inputs for k, inputs in enumerate(image_inputs)]
-        images, fields = generation_image_inputs(prompts, prompt_ids, image_inputs)
-        completion_ids, logprobs = self._generate_single_turn(prompt_ids, images, fields, 1)
-        completions = completions_from_tokens(
-            prompt_ids, completion_ids, logprobs, eos_token_id=self.eos_token_ids[0],
-            decode=lambda ids: self._tokenizer.decode(ids, skip_special_tokens=True),
-        )
-        for k, count in dropped.items():
-            completions[k].dropped_exchanges = count
-        for completion, inputs in zip(completions, image_inputs):
-            completion.image_inputs = inputs
-        return [PromptTooLong(too_long[k], self.prompt_token_limit) if k in too_long else completion
-                for k, completion in enumerate(completions)]
-
     def _generate_single_turn(self, prompt_ids: list[list[int]], images: Any, multimodal_fields: dict,
-                              num_generations: int, has_tool_images: bool = False) -> tuple[list[list[int]], None]:
-        """TRL's, with its `generate` path through the prefix cache where one serves (`generation_prefix_cache`): the
-        same model set-up and generation config, each answer up to its first end token (included), but each prompt
-        token that a sequence forwarded earlier in the rollout holds is read from its kept keys and values.
-
-        Both run under the training's autocast (`accelerator.autocast()`): accelerate puts it on the forward of the
-        model it prepared, which `generate` does not call when that model is a PEFT wrapper, so a LoRA run on fp32
-        weights with bf16 autocast (the CPU quickstart's) generated in fp32 while it trained in bf16. vLLM's engine
-        runs at its own precision, outside it."""
+                              num_generations: int, has_tool_images: bool = False) -> tuple[list[list[int]], Any]:
+        """TRL's, with its HF path through the turn's prefix cache where one serves (`generate_through_prefix_cache`)
+        and under the training's autocast (`accelerator.autocast()`): accelerate puts it on the forward of the model it
+        prepared, which `generate` does not call when that model is a PEFT wrapper, so a LoRA run on fp32 weights with
+        bf16 autocast (the CPU quickstart's) would generate in fp32 while it trains in bf16. vLLM's engine runs at its
+        own precision, outside it."""
+        cache = self.turns.prefix_cache
         if self.use_vllm:
             return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
         with self.accelerator.autocast():
-            return self._generate_at_training_precision(prompt_ids, images, multimodal_fields, num_generations,
-                                                        has_tool_images)
-
-    def _generate_at_training_precision(self, prompt_ids: list[list[int]], images: Any, multimodal_fields: dict,
-                                        num_generations: int, has_tool_images: bool) -> tuple[list[list[int]], Any]:
-        if self.prefix_cache is None or self.use_transformers_continuous_batching or \
-                images is not None or multimodal_fields or num_generations != 1:
-            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
-        with (
-            unwrap_model_for_generation(
-                self.model_wrapped, self.accelerator, gather_deepspeed3_params=self.args.ds3_gather_for_generation,
-                generation_kwargs=self.generation_kwargs,
-                gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs,
-            ) as model,
-            torch.no_grad(),
-            self._dist.summon_full_params(self.model_wrapped, recurse=False),
-        ):
-            generated = self.prefix_cache.generate(model, prompt_ids, self.generation_config,
-                                                   self._tokenizer.pad_token_id)
-        return [until_eos(row, set(self.eos_token_ids)) for row in generated.tolist()], None
-
-    def _prefix_cache(self) -> PrefixCache | None:
-        """The prefix cache of HF generation (`generation_prefix_cache`), or None: under vLLM (its own prefix caching
-        does the same), where switched off, or where it cannot serve (said in one warning)."""
-        if self.use_vllm or not self.args.generation_prefix_cache:
-            return None
-        zero3 = self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3
-        problem = prefix_cache_problem(
-            self.model.config, self.generation_config,
-            continuous_batching=self.use_transformers_continuous_batching,
-            sharded="ZeRO-3" if zero3 else "FSDP" if self.is_fsdp_enabled else None,
-        )
-        if problem:
-            warnings.warn(f"generation_prefix_cache is off: {problem}; every prompt is forwarded whole at every turn "
-                          "(TRL's generate)", stacklevel=3)
-            return None
-        return PrefixCache()
-
-    def _fit_context(self, messages: Messages, tools: Tools | None) -> tuple[int, list[int]] | None:
-        """`context_overflow='drop_oldest'`: the fewest oldest exchanges dropped from a conversation for its prompt
-        to take at most `drop_oldest_target` of the room a prompt has (the fewest that fit the room where none
-        does), and that prompt's ids, rendered from its messages; None when even its first messages and its latest
-        exchange do not fit."""
-        target = int(self.args.drop_oldest_target * self.prompt_token_limit)
-        fitting = None
-        for count in range(1, exchange_count(messages)):
-            ids = self._prompt_ids([without_oldest_exchanges(messages, count)], [tools])[0]
-            if len(ids) <= target:
-                return count, ids
-            if fitting is None and len(ids) <= self.prompt_token_limit:
-                fitting = count, ids
-        return fitting
-
-    def _prompt_ids(self, prompts: list[Prompt], tools: list[Tools | None]) -> list[list[int]]:
-        """The token ids of a turn's prompts (`_prompt_inputs`)."""
-        return self._prompt_inputs(prompts, tools)[0]
-
-    def _prompt_inputs(self, prompts: list[Prompt], tools: list[Tools | None]
-                       ) -> tuple[list[list[int]], list[dict[str, Any] | None]]:
-        """The token ids of a turn's prompts, and each one's image inputs (None without images): chat messages
-        rendered by the template (with their tools), continued prompts as their previous ids and their new turn's,
-        and a prompt with images by the processor alone, its ids with the image tokens the processor writes and its
-        pixel values (`Completion.image_inputs`)."""
-        with_images = {k for k, prompt in enumerate(prompts)
-                       if not isinstance(prompt, ContinuedPrompt) and message_images(prompt)}
-        if with_images and not self._is_vlm:
-            raise ValueError(
-                f"environment {self.env_name!r} returned image observations, but the model reads text only (its "
-                f"processing_class is a {type(self.processing_class).__name__}): train a vision-language model, whose "
-                "processor GiGPOTrainer loads with it, or give it the processor (processing_class=AutoProcessor...)")
-        ids: dict[int, list[int]] = {}
-        image_inputs: list[dict[str, Any] | None] = [None] * len(prompts)
-        for k in with_images:  # one at a time: each row keeps its own processor tensors
-            rendered = self.processing_class.apply_chat_template(
-                [prepare_multimodal_messages(prompts[k])], tools=tools[k] or None, add_generation_prompt=True,
-                tokenize=True, return_dict=True, return_tensors="pt", chat_template=self.chat_template,
-                **self.chat_template_kwargs)
-            ids[k] = rendered["input_ids"][0].tolist()
-            image_inputs[k] = {"num_images": len(message_images(prompts[k])),
-                               **{key: value for key, value in rendered.items() if key not in ("input_ids", "attention_mask")}}
-        written = [k for k, prompt in enumerate(prompts)
-                   if not isinstance(prompt, ContinuedPrompt) and k not in with_images]
-        if any(tools):
-            rendered = [self.processing_class.apply_chat_template(
-                prompts[k], tools=tools[k] or None, add_generation_prompt=True, tokenize=True, return_dict=True,
-                chat_template=self.chat_template, **self.chat_template_kwargs)["input_ids"] for k in written]
-        else:
-            rendered = self._tokenize_prompts([prompts[k] for k in written])[0] if written else []
-        ids |= {k: list(r) for k, r in zip(written, rendered)}
-        return [ids[k] if k in ids else self.chat_turns.prompt_ids(prompt) for k, prompt in enumerate(prompts)], \
-            image_inputs
-
-    def _chat_turns(self, turn_role: str) -> ChatTurns:
-        """Conversation mode's turns (`gigpo_trl.conversation`) in the chat template prompts are rendered with. A
-        template that is not prefix-preserving is replaced by TRL's training template of its family where TRL has
-        one (as TRL's tool loop does); otherwise refused, naming the problem."""
-        def render(messages: list, add_generation_prompt: bool) -> list[int]:
-            return list(self.processing_class.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False,
-                chat_template=self.chat_template, **self.chat_template_kwargs))
-
-        turns = ChatTurns(render, frozenset(self.eos_token_ids))
-        try:
-            turns.check(turn_role)
-        except ValueError as refused:
-            try:
-                training_template = get_training_chat_template(self.processing_class)
-            except ValueError:
-                training_template = None
-            if training_template is None:
-                raise refused from None
-            self.chat_template = training_template
-            turns.check(turn_role)
-            warnings.warn("conversation mode: the chat template is not prefix-preserving; prompts are rendered with TRL's "
-                          "training template of its family (trl.chat_template_utils.get_training_chat_template)",
-                          stacklevel=3)
-        return turns
-
-    def _dummy_completion(self) -> Completion:
-        """A stand-in sample (zero loss weight) for a process without a sample for the update: its environments all
-        failed to start, or dynamic sampling found no group with a signal. Under vLLM it carries a NaN sampling
-        log-prob, like the real samples of the other processes carry theirs."""
-        prompt_ids = self._tokenize_prompts([DUMMY_PROMPT])[0][0]
-        return Completion(list(prompt_ids), [self.eos_token_ids[0]], "", [float("nan")] if self.use_vllm else None)
+            if cache is None or images is not None or multimodal_fields or num_generations != 1:
+                return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
+                                                     has_tool_images)
+            return generate_through_prefix_cache(self, cache, prompt_ids), None
 
     def _pool(self, mode: str, num_groups: int, group_size: int) -> EnvPool:
         pool = self._pools.get(mode)
@@ -548,11 +392,3 @@ class GiGPOTrainer(GiGPOLossMixin, RunLogsMixin, GRPOTrainer):
 
     def _max_across_processes(self, value: int) -> int:
         return int(self.accelerator.gather(torch.tensor([value], device=self.accelerator.device)).max().item())
-
-    def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
-        started = time.perf_counter()
-        try:
-            return super().evaluate(*args, **kwargs)
-        finally:
-            self._seconds_outside_updates += time.perf_counter() - started
-

@@ -62,12 +62,13 @@ from typing import Any
 import numpy as np
 
 from gigpo_trl.env_base import BaseTextEnv
-from gigpo_trl.envs import INFO_ANCHOR, INFO_ANCHOR_KIND, INFO_TASK, INFO_TASK_TYPE, INFO_WON
+from gigpo_trl.envs import INFO_ANCHOR, INFO_ANCHOR_KIND, INFO_TASK, INFO_TASK_TYPE, INFO_WON, EnvOutput
 from gigpo_trl.dialogue import NO_IMAGES_IN_CONVERSATIONS, Completion, Exchange, Messages, Tools
 from gigpo_trl.observations import message_images
+from gigpo_trl.options import TOOL_ANCHOR_MODES
 from gigpo_trl.parsing import ParsedAction
+from gigpo_trl.prompts import history_window
 
-ANCHOR_MODES = ("state", "tool_calls")
 # Methods of an environment class that are not tools: TRL's two, and GiGPO's anchor hook.
 NOT_TOOLS = ("reset", "get_reward", "gigpo_anchor")
 INFO_PROMPT = "prompt"  # on reset: the row's messages with what `reset` returned appended
@@ -215,8 +216,8 @@ class TRLEnvironment(BaseTextEnv):
                  reward_funcs: Sequence[Callable[..., Any]] = (), anchor: str = "state",
                  max_steps: int | None = None) -> None:
         super().__init__(max_steps=max_steps)
-        if anchor not in ANCHOR_MODES:
-            raise ValueError(f"anchor must be one of {ANCHOR_MODES}, got {anchor!r}")
+        if anchor not in TOOL_ANCHOR_MODES:
+            raise ValueError(f"anchor must be one of {TOOL_ANCHOR_MODES}, got {anchor!r}")
         self._factories = _factories(environment_factory)
         self._routed = isinstance(environment_factory, Mapping)
         self.reward_funcs, self.anchor_mode = list(reward_funcs), anchor
@@ -361,7 +362,7 @@ class ToolCallDialogue:
         self.tool_call_opening = response_template.get("fields", {}).get("tool_calls", {}).get("open")
 
     def prompt(self, start: EnvOutput, current: EnvOutput, history: Sequence[Exchange], step: int) -> Messages:
-        shown = history[len(history) - self.history_length:] if self.history_length else []
+        shown = history_window(history, self.history_length)
         exchanges = [message for past in shown for message in (self.reply(past), *self.turn(past, step))]
         return [*start.info[INFO_PROMPT], *exchanges]
 

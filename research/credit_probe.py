@@ -8,9 +8,9 @@ bootstrapped step value of docs/algorithm.md (lambda < 1) rank the moves of losi
 
 No training: for each game (a recipe config: environment, tasks, prompt template, history, temperature, answer length,
 and the advantage settings gamma, norm, episode statistics, invalid-action penalty) and each seed, the model plays
-`--tasks` tasks x `--copies` copies through the trainer's own rollout (`collect_rollout` with
-`GiGPOTrainer._generate_turn`, sampled at the config's temperature). Seed s plays tasks s*T .. s*T+T-1 of the config's
-training tasks (its optimal-steps range applies) and samples with torch seed s, so the seeds are independent
+`--tasks` tasks x `--copies` copies through the trainer's own rollout (`collect_rollout` with the trainer's turns,
+`GiGPOTrainer.turns`, sampled at the config's temperature). Seed s plays tasks s*T .. s*T+T-1 of the config's training
+tasks (its optimal-steps range applies) and samples with torch seed s, so the seeds are independent
 replications on disjoint tasks.
 
 Labels. Every step is labelled by the breadth-first distance to a win (`gigpo_trl.shortest_paths`, over the admissible
@@ -473,9 +473,9 @@ def step_part(signal: str, advantages: np.ndarray, episode_advantages: np.ndarra
 
 
 def trainer_for(config: Path, model: str | None, tasks: int, copies: int, seeds: Sequence[int], output_dir: str,
-                trainer_class: type | None = None) -> tuple[Any, list[int]]:
-    """A GiGPOTrainer (or `trainer_class`) of the recipe config `config` (model, environment, prompts, generation and
-    advantage settings) whose training tasks are the first max(seeds) + 1 blocks of `tasks` tasks and whose rollout
+                make_trainer: Callable[..., Any] | None = None) -> tuple[Any, list[int]]:
+    """A GiGPOTrainer (made by `make_trainer` where given) of the recipe config `config` (model, environment, prompts,
+    generation and advantage settings) whose training tasks are the first max(seeds) + 1 blocks of `tasks` tasks and whose rollout
     plays `tasks` x `copies`; no evaluation, CPU precision. Also the training tasks' seeds."""
     from trl import ModelConfig, TrlParser
 
@@ -492,7 +492,7 @@ def trainer_for(config: Path, model: str | None, tasks: int, copies: int, seeds:
     if args.similarity_threshold is not None:
         raise ValueError(f"{config}: the probe's step groups are exact anchors; similarity_threshold must be unset")
     train, _ = task_args.datasets(args.env_name, args.env_kwargs)
-    trainer = (trainer_class or GiGPOTrainer)(model_args.model_name_or_path, args=args, train_dataset=train)
+    trainer = (make_trainer or GiGPOTrainer)(model_args.model_name_or_path, args=args, train_dataset=train)
     return trainer, list(train["seed"])
 
 
@@ -508,9 +508,10 @@ def probe_seed(trainer: Any, env: TextEnv, tasks: Sequence[int], seed: int, copi
 
     set_seed(seed)
     clock, cpu = time.perf_counter(), time.process_time()
-    rollout = collect_rollout(trainer._pool("train", len(tasks), copies), [Task(seed=task) for task in tasks],
-                              trainer._generate_turn, max_env_steps=trainer.args.max_env_steps,
-                              dialogue=trainer.dialogue, show_progress=False)
+    with trainer.turns.rollout():
+        rollout = collect_rollout(trainer._pool("train", len(tasks), copies), [Task(seed=task) for task in tasks],
+                                  trainer.turns, max_env_steps=trainer.args.max_env_steps, dialogue=trainer.dialogue,
+                                  show_progress=False)
     rollout_seconds, rollout_cpu_seconds = time.perf_counter() - clock, time.process_time() - cpu
     clock, searched = time.perf_counter(), len(cache)
     before, after = step_distances(env, rollout, search_depth, cache)
@@ -525,14 +526,14 @@ def probe_seed(trainer: Any, env: TextEnv, tasks: Sequence[int], seed: int, copi
 
 def probe_game(config: Path, *, model: str | None, seeds: Sequence[int], tasks: int, copies: int,
                group_sizes: Sequence[int], search_depth: int, lambdas: Sequence[float] = (),
-               trainer_class: type | None = None,
+               make_trainer: Callable[..., Any] | None = None,
                log: Callable[[str], None] = print) -> dict[str, Any]:
     """Every seed of one game (`probe_seed`; seed s plays the block s of `tasks` training tasks) and the summary over
-    seeds. `trainer_class`, a GiGPOTrainer subclass, replaces the trainer (e.g. a test's scripted policy)."""
+    seeds. `make_trainer`, called as GiGPOTrainer is, makes the trainer (e.g. a test's scripted one)."""
     started = time.perf_counter()
     per_seed: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as output_dir:
-        trainer, task_seeds = trainer_for(config, model, tasks, copies, seeds, output_dir, trainer_class)
+        trainer, task_seeds = trainer_for(config, model, tasks, copies, seeds, output_dir, make_trainer)
         settings = trainer.args
         env = make_env(settings.env_name, **settings.env_kwargs)
         log(f"{config.stem}: {settings.env_name} {settings.env_kwargs}, {tasks} tasks x {copies} copies per seed, "
@@ -701,8 +702,8 @@ def lambda_table(game: dict[str, Any], decide_at: int, lambdas: Sequence[float])
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None, trainer_class: type | None = None) -> dict[str, Any]:
-    """The command line (see the module docstring); returns the report it writes. `trainer_class` as in
+def main(argv: Sequence[str] | None = None, make_trainer: Callable[..., Any] | None = None) -> dict[str, Any]:
+    """The command line (see the module docstring); returns the report it writes. `make_trainer` as in
     `probe_game`."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", type=Path, nargs="+", default=DEFAULT_CONFIGS,
@@ -751,7 +752,7 @@ def main(argv: Sequence[str] | None = None, trainer_class: type | None = None) -
     for config in args.configs:
         game = probe_game(config, model=args.model, seeds=args.seeds, tasks=args.tasks, copies=args.copies,
                           group_sizes=args.group_sizes, search_depth=args.search_depth, lambdas=args.lambdas,
-                          trainer_class=trainer_class, log=lambda line: print(line, flush=True))
+                          make_trainer=make_trainer, log=lambda line: print(line, flush=True))
         game["decision"] = decisions(game, args.decide_at)
         game["lambda_decisions"] = {f"{lam:g}": lambda_verdict(game, args.decide_at, lam) for lam in args.lambdas}
         report["games"][config.stem] = game

@@ -34,7 +34,7 @@ from contextlib import contextmanager
 import torch
 from accelerate.utils import gather_object
 from datasets import Dataset
-from scripted_policy import ScriptedToolTrainer, ScriptedTrainer
+from scripted_policy import scripted_tool_trainer, scripted_trainer
 from toy_envs import BadAnchorOnRank1, Corridor, UnwinnableOnRank1
 from toy_tool_envs import IncrementEnv
 from trainer_helpers import backend_facts, engineless_vllm_backend
@@ -43,6 +43,7 @@ from bench.gpu_check import parameter_snapshot
 from gigpo_trl.config import GiGPOConfig
 from gigpo_trl.envs import register_env
 from gigpo_trl.tasks import task_dataset
+from gigpo_trl.trainer import GiGPOTrainer
 from gigpo_trl.vllm_lora import write_adapter
 from gigpo_trl.weight_sync import sync_lora_out_of_place
 
@@ -74,12 +75,12 @@ def main(options: argparse.Namespace) -> None:
     lengths = options.lengths * 2  # two rollouts
     if options.env_name == "tool_counter":
         prompts = [[{"role": "user", "content": f"Task {k}."}] for k in range(len(lengths))]
-        trainer = ScriptedToolTrainer(options.model_dir, args=config, train_dataset=Dataset.from_dict({"prompt": prompts}),
+        trainer = scripted_tool_trainer(options.model_dir, args=config, train_dataset=Dataset.from_dict({"prompt": prompts}),
                                       environment_factory=IncrementEnv)
     else:
         dataset = task_dataset(range(len(lengths)), options=[{"length": n} for n in lengths])
         panel = task_dataset([100, 101, 102], options=[{"length": n} for n in (3, 20, 3)])
-        trainer = ScriptedTrainer(options.model_dir, args=config, train_dataset=dataset, eval_dataset=panel,
+        trainer = scripted_trainer(options.model_dir, args=config, train_dataset=dataset, eval_dataset=panel,
                                   peft_config=peft_config)
     before = parameter_snapshot(trainer.model)
     trainer.train(resume_from_checkpoint=options.resume_from)
@@ -108,7 +109,7 @@ def main(options: argparse.Namespace) -> None:
         torch.distributed.destroy_process_group()
 
 
-def lora_syncs(trainer: ScriptedTrainer, count: int = 3) -> dict[str, torch.Tensor]:
+def lora_syncs(trainer: GiGPOTrainer, count: int = 3) -> dict[str, torch.Tensor]:
     """What vLLM's weight sync would load after training, synced `count` times (TRL's iteration, its gathering of the
     shards and its names, with gigpo-trl's merge), without a vLLM engine: the weights of the last sync."""
     generation = engineless_vllm_backend(trainer.model, trainer.accelerator)
@@ -118,7 +119,7 @@ def lora_syncs(trainer: ScriptedTrainer, count: int = 3) -> dict[str, torch.Tens
     return weights
 
 
-def adapter_sync(trainer: ScriptedTrainer, folder: Path) -> dict:
+def adapter_sync(trainer: GiGPOTrainer, folder: Path) -> dict:
     """What the adapter mode's sync writes for vLLM (`write_adapter` with TRL's gathering), without a vLLM engine: the
     adapter's tensors as written, and whether the parameters gathered were the adapter's and only those."""
     from safetensors.torch import load_file
@@ -138,7 +139,7 @@ def adapter_sync(trainer: ScriptedTrainer, folder: Path) -> dict:
             "gathered_adapter_only": {id(param) for param in gathered} == adapter and len(gathered) == len(adapter)}
 
 
-def rollout_facts(trainer: ScriptedTrainer) -> dict:
+def rollout_facts(trainer: GiGPOTrainer) -> dict:
     """Per process, of its latest rollout: the length of each of its episodes and the generation calls it made."""
     rollout = trainer.last_rollout
     return {"episode_lengths": gather_object([[episode.length for episode in rollout.episodes]]),

@@ -1,6 +1,6 @@
-"""A GiGPOTrainer whose answers come from a script: real generation still runs every turn (so the
-lock-step and batching paths are exercised), but the answer text is replaced by a fixed rule, which
-makes the trajectories known in advance."""
+"""Trainers whose answers come from a script, plugged in as the backend of their turns: real generation still runs
+every turn (so the lock-step and batching paths are exercised), but the answer text is replaced by a fixed rule,
+which makes the trajectories known in advance."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ import json
 import random
 import re
 
-from gigpo_trl.dialogue import Completion, prompt_messages
+from gigpo_trl.dialogue import prompt_messages
 from gigpo_trl.trainer import GiGPOTrainer
+from gigpo_trl.turns import GeneratedTokens, TurnBatch
 
 
 def corridor_answer(prompt_text: str, position: int) -> str:
@@ -32,22 +33,43 @@ def numbered_choice_answer(prompt_text: str, position: int) -> str:
     return f"<action>{random.Random(f'{prompt_text}|{position}').randint(1, count)}</action>" if count else "look"
 
 
-class ScriptedTrainer(GiGPOTrainer):
-    """Corridor tasks (their observation: "You are in cell k ...") follow `corridor_answer` (or the class's
-    `corridor`); any other environment gets `numbered_choice_answer` (the rooms task also speaks of a corridor)."""
+class ScriptedBackend:
+    """A turn backend (`gigpo_trl.turns.Backend`) whose answers come from a script: the trainer's real backend still
+    generates every turn, in lock-step, then each answer is replaced by `answer(prompt, tools, position)` tokenized with
+    the EOS token (the prompt as the rollout wrote it, the tools it offers, its position in the batch)."""
 
-    corridor = staticmethod(corridor_answer)
+    def __init__(self, real, answer, tokenizer):
+        self.real, self.answer, self.tokenizer = real, answer, tokenizer
 
-    def _generate_turn(self, prompts, tools):
-        generated = super()._generate_turn(prompts, tools)  # the real backend, in lock-step
-        eos = self._tokenizer.eos_token_id
-        completions = []
-        for position, (prompt, real) in enumerate(zip(prompts, generated)):
-            text = prompt_messages(prompt)[-1]["content"]
-            answer = self.corridor(text, position) if "You are in cell" in text else numbered_choice_answer(text, position)
-            ids = self._tokenizer(answer, add_special_tokens=False)["input_ids"] + [eos]
-            completions.append(Completion(real.prompt_ids, ids, answer))
-        return completions
+    def __call__(self, batch: TurnBatch) -> GeneratedTokens:
+        generated = self.real(batch)
+        eos = self.tokenizer.eos_token_id
+        answers = [self.answer(prompt, tools, position)
+                   for position, (prompt, tools) in enumerate(zip(batch.prompts, batch.tools))]
+        ids = [self.tokenizer(answer, add_special_tokens=False)["input_ids"] + [eos] for answer in answers]
+        return GeneratedTokens(ids, None, generated.prefill_tokens)
+
+
+def text_answer(corridor=corridor_answer):
+    """Corridor tasks (their observation: "You are in cell k ...") follow `corridor`; any other environment gets
+    `numbered_choice_answer` (the rooms task also speaks of a corridor)."""
+
+    def answer(prompt, tools, position: int) -> str:
+        text = prompt_messages(prompt)[-1]["content"]
+        return corridor(text, position) if "You are in cell" in text else numbered_choice_answer(text, position)
+
+    return answer
+
+
+def scripted(trainer: GiGPOTrainer, answer) -> GiGPOTrainer:
+    """`trainer` with its turns answered by `answer(prompt, tools, position)` (`ScriptedBackend`)."""
+    trainer.turns.backend = ScriptedBackend(trainer.turns.backend, answer, trainer.processing_class)
+    return trainer
+
+
+def scripted_trainer(*args, corridor=corridor_answer, **kwargs) -> GiGPOTrainer:
+    """A `GiGPOTrainer` on text environments whose answers follow `text_answer(corridor)`."""
+    return scripted(GiGPOTrainer(*args, **kwargs), text_answer(corridor))
 
 
 def tool_call(name: str, **arguments) -> str:
@@ -66,18 +88,16 @@ def counter_answer(messages: list[dict], position: int) -> str:
     return tool_call("increment", step=2 if position % 2 and counter == 0 else 1)
 
 
-class ScriptedToolTrainer(GiGPOTrainer):
-    """Tool-calling replies from `counter_answer` (or the class's `answer`), generated after the real backend ran in
-    lock-step, tokenized with the answer's EOS."""
+def tool_answer(answer=counter_answer):
+    """Tool-calling replies from `answer(messages, position)` where the prompt offers tools, "." otherwise (a dummy
+    prompt)."""
 
-    answer = staticmethod(counter_answer)
+    def reply(prompt, tools, position: int) -> str:
+        return answer(prompt_messages(prompt), position) if tools else "."
 
-    def _generate_turn(self, prompts, tools):
-        generated = super()._generate_turn(prompts, tools)
-        eos = self._tokenizer.eos_token_id
-        completions = []
-        for position, (prompt, real) in enumerate(zip(prompts, generated)):
-            answer = self.answer(prompt_messages(prompt), position) if tools[position] else "."
-            ids = self._tokenizer(answer, add_special_tokens=False)["input_ids"] + [eos]
-            completions.append(Completion(real.prompt_ids, ids, answer))
-        return completions
+    return reply
+
+
+def scripted_tool_trainer(*args, answer=counter_answer, **kwargs) -> GiGPOTrainer:
+    """A `GiGPOTrainer` on TRL environment classes whose replies follow `tool_answer(answer)`."""
+    return scripted(GiGPOTrainer(*args, **kwargs), tool_answer(answer))

@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("alfworld", reason="needs the alfworld extra: pip install 'gigpo-trl[alfworld]'")
 
-from scripted_policy import ScriptedTrainer  # noqa: E402
+from scripted_policy import scripted_trainer  # noqa: E402
 
 from gigpo_trl.config import GiGPOConfig  # noqa: E402
 from gigpo_trl.env_pool import EnvPool  # noqa: E402
@@ -237,7 +237,7 @@ def test_training_groups_the_steps_of_the_copies_that_reach_the_same_state(tmp_p
         max_env_steps=6, logging_steps=1, report_to=[], activation_checkpointing=False, save_strategy="no",
         disable_tqdm=True, seed=0,
     )
-    trainer = ScriptedTrainer(tiny_model_path, args=config, train_dataset=task_dataset([APPLE_IN_FRIDGE]))
+    trainer = scripted_trainer(tiny_model_path, args=config, train_dataset=task_dataset([APPLE_IN_FRIDGE]))
     try:
         trainer.train()
     finally:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from scripted_policy import ScriptedTrainer
+from scripted_policy import scripted_trainer
 from trainer_helpers import cpu_config, settings_config, step_samples
 from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
 
@@ -96,7 +96,7 @@ def test_padding_rows_carry_no_loss_and_no_advantage(tmp_path, tiny_model_path):
     # 7 step samples split into 4 micro-batches: one zero-weight padding row makes 8.
     config = cpu_config(tmp_path, env_name="corridor", per_device_train_batch_size=1, steps_per_generation=4,
                         gradient_accumulation_steps=4, max_env_steps=6)
-    trainer = ScriptedTrainer(tiny_model_path, args=config, train_dataset=task_dataset([1, 2]))
+    trainer = scripted_trainer(tiny_model_path, args=config, train_dataset=task_dataset([1, 2]))
     trainer.model.train()  # as during Trainer.train(): the training path
 
     batch = trainer._generate_and_score_completions([trainer.train_dataset[0]] * 2)

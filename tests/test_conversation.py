@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 from datasets import Dataset
-from scripted_policy import ScriptedToolTrainer
+from scripted_policy import scripted_tool_trainer
 from toy_tool_envs import IncrementEnv
 from trainer_helpers import cpu_config
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -202,7 +202,7 @@ def test_a_conversation_run_generates_from_and_trains_on_each_prompt_extended_by
 def test_trl_environment_classes_play_the_whole_conversation_by_default_each_tool_result_appended_as_a_turn(
         tmp_path, tool_model_path):
     config = cpu_config(tmp_path, max_completion_length=8, max_env_steps=8, max_steps=1)
-    trainer = ScriptedToolTrainer(tool_model_path, args=config, train_dataset=Dataset.from_dict(
+    trainer = scripted_tool_trainer(tool_model_path, args=config, train_dataset=Dataset.from_dict(
         {"prompt": [[{"role": "user", "content": f"Task {k}."}] for k in range(4)]}), environment_factory=IncrementEnv)
     assert trainer.dialogue.history_length is None
     trainer.train()
@@ -258,7 +258,7 @@ def test_a_conversation_that_outgrows_the_context_drops_its_oldest_exchanges_and
     def rendered(messages):
         return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
 
-    assert trainer.prompt_token_limit == 600 and max(map(len, generated)) <= 600
+    assert trainer.turns.prompt_token_limit == 600 and max(map(len, generated)) <= 600
     rollout = trainer.last_rollout
     assert all(episode.length == 8 and episode.context_overflow is None for episode in rollout.episodes)
     steps = rollout.steps
@@ -272,7 +272,7 @@ def test_a_conversation_that_outgrows_the_context_drops_its_oldest_exchanges_and
             assert shown[: len(first)] == first  # the system message, the task and the first observation are kept
             latest = max(k for k, message in enumerate(shown) if message["role"] == "assistant")
             whole = [*steps.prompt[before], *shown[latest:]]  # the conversation before any drop
-            continued = trainer.chat_turns.prompt_ids(ContinuedPrompt(previous, shown[latest + 1:], whole))
+            continued = trainer.turns.render.chat_turns.prompt_ids(ContinuedPrompt(previous, shown[latest + 1:], whole))
             if after in trimmed:  # it did not fit: the fewest oldest exchanges dropped to reach the target, rendered once
                 dropped = now.dropped_exchanges
                 assert len(continued) > 600

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from datasets import Dataset
-from scripted_policy import ScriptedTrainer
+from scripted_policy import scripted_trainer
 from toy_envs import Corridor
 from trainer_helpers import cpu_config, parameters
 
@@ -35,6 +35,7 @@ from gigpo_trl.env_pool import EnvPool
 from gigpo_trl.records import read_trajectories
 from gigpo_trl.rollout import Rollout, collect_rollout, concatenate_rollouts
 from gigpo_trl.tasks import Task, task_dataset
+from gigpo_trl.trainer import GiGPOTrainer
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -272,7 +273,7 @@ def test_groups_without_signal_never_reach_the_update(tmp_path, tiny_model_path,
                                                       first_without_signal):
     dataset = corridors(*lengths)
     args = dynamic_config(tmp_path, dynamic_sampling_signal=signal, invalid_action_penalty=penalty)
-    trainer = ScriptedTrainer(tiny_model_path, args=args, train_dataset=dataset)
+    trainer = scripted_trainer(tiny_model_path, args=args, train_dataset=dataset)
     trainer.model.train()
     first_tasks = [dataset[0], dataset[0], dataset[1], dataset[1]]  # as TRL's sampler hands them
 
@@ -313,7 +314,7 @@ def test_groups_without_signal_never_reach_the_update(tmp_path, tiny_model_path,
 
 
 def test_at_the_limit_the_update_trains_on_what_it_has_and_says_so(tmp_path, tiny_model_path):
-    trainer = ScriptedTrainer(tiny_model_path, args=dynamic_config(tmp_path), train_dataset=corridors(*[LONG] * 6))
+    trainer = scripted_trainer(tiny_model_path, args=dynamic_config(tmp_path), train_dataset=corridors(*[LONG] * 6))
     before = parameters(trainer.model)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -347,15 +348,15 @@ def test_extra_tasks_are_drawn_reproducibly_after_a_resume_too_and_leave_trl_s_s
     # No corridor can be won: every iteration plays its 2 extra rounds, whatever the answers.
     dataset = corridors(*[LONG] * 16)
     settings = {"max_steps": 2, "log_trajectories": 100, "shuffle_dataset": True}
-    first = ScriptedTrainer(tiny_model_path, args=dynamic_config(tmp_path / "first", save_strategy="steps",
+    first = scripted_trainer(tiny_model_path, args=dynamic_config(tmp_path / "first", save_strategy="steps",
                                                                  save_steps=1, **settings), train_dataset=dataset)
     first.train()
     first.close_environments()
-    resumed = ScriptedTrainer(tiny_model_path, args=dynamic_config(tmp_path / "resumed", **settings),
+    resumed = scripted_trainer(tiny_model_path, args=dynamic_config(tmp_path / "resumed", **settings),
                               train_dataset=dataset)
     resumed.train(resume_from_checkpoint=str(tmp_path / "first" / "checkpoint-1"))
     resumed.close_environments()
-    without = ScriptedTrainer(tiny_model_path, args=dynamic_config(tmp_path / "without", dynamic_sampling_max_rounds=0,
+    without = scripted_trainer(tiny_model_path, args=dynamic_config(tmp_path / "without", dynamic_sampling_max_rounds=0,
                                                                    **settings), train_dataset=dataset)
     without.train()
     without.close_environments()
@@ -372,7 +373,7 @@ def test_extra_tasks_are_drawn_reproducibly_after_a_resume_too_and_leave_trl_s_s
 
 def test_evaluation_is_never_filtered(tmp_path, tiny_model_path):
     panel = corridors(LONG, LONG)  # no signal at all: a training rollout would look further
-    trainer = ScriptedTrainer(tiny_model_path, args=dynamic_config(tmp_path, per_device_eval_batch_size=4),
+    trainer = scripted_trainer(tiny_model_path, args=dynamic_config(tmp_path, per_device_eval_batch_size=4),
                               train_dataset=corridors(LONG, SHORT), eval_dataset=panel)
     metrics = trainer.evaluate()
     trainer.close_environments()
@@ -392,7 +393,7 @@ def test_a_training_set_without_rows_by_index_is_refused_with_dynamic_sampling(t
     streamed = corridors(SHORT, LONG).to_iterable_dataset()
     with pytest.raises(ValueError, match=r"dynamic_sampling_max_rounds draws further tasks from train_dataset by row "
                                          r"index, and this train_dataset \(IterableDataset\) has no rows by index"):
-        ScriptedTrainer(tiny_model_path, args=dynamic_config(tmp_path), train_dataset=streamed)
+        scripted_trainer(tiny_model_path, args=dynamic_config(tmp_path), train_dataset=streamed)
 
 
 # ------------------------------------------------------------------------------------------
@@ -498,7 +499,7 @@ def std_filter_config(tmp_path, **overrides) -> GiGPOConfig:
                                        "reward_std_filter_ratio": 0.5, **overrides})
 
 
-def real_samples(trainer: ScriptedTrainer, batch) -> list[int]:
+def real_samples(trainer: GiGPOTrainer, batch) -> list[int]:
     """The step samples of the latest rollout that are the batch's real rows, in row order, checked against their
     answers and advantages."""
     steps = trainer.last_rollout.steps
@@ -519,7 +520,7 @@ def real_samples(trainer: ScriptedTrainer, batch) -> list[int]:
 def test_only_the_groups_of_the_largest_return_std_reach_the_update(tmp_path, tiny_model_path):
     # Stds of the four groups: long 0 (both cut off), mixed 0.71, short 0 (both win, one later), mixed 0.71.
     dataset = corridors(LONG, MIXED, SHORT, MIXED)
-    trainer = ScriptedTrainer(tiny_model_path, args=std_filter_config(tmp_path), train_dataset=dataset)
+    trainer = scripted_trainer(tiny_model_path, args=std_filter_config(tmp_path), train_dataset=dataset)
     trainer.model.train()
     tasks = [dataset[k] for k in range(4) for _ in range(2)]
 
@@ -553,7 +554,7 @@ def test_equal_stds_are_broken_the_same_way_in_two_runs(tmp_path, tiny_model_pat
     tasks = [dataset[k] for k in range(4) for _ in range(2)]
     chosen = []
     for run in ("first", "second"):
-        trainer = ScriptedTrainer(tiny_model_path, args=std_filter_config(tmp_path / run), train_dataset=dataset)
+        trainer = scripted_trainer(tiny_model_path, args=std_filter_config(tmp_path / run), train_dataset=dataset)
         trainer.model.train()
         per_step = []
         for step in (0, 2):
@@ -577,7 +578,7 @@ def test_with_dynamic_sampling_the_filter_ranks_the_groups_it_kept(tmp_path, tin
     # corridors of the first rollout and of round 1, and the filter keeps ceil(0.5 x 2) = 1 of them.
     dataset = corridors(LONG, MIXED, MIXED, MIXED, MIXED, MIXED)
     args = dynamic_config(tmp_path, dynamic_sampling_max_rounds=2, reward_std_filter_ratio=0.5)
-    trainer = ScriptedTrainer(tiny_model_path, args=args, train_dataset=dataset)
+    trainer = scripted_trainer(tiny_model_path, args=args, train_dataset=dataset)
     trainer.model.train()
 
     batch = trainer._generate_and_score_completions([dataset[0], dataset[0], dataset[1], dataset[1]])

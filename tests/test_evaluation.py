@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 from peft import LoraConfig
-from scripted_policy import ScriptedTrainer
+from scripted_policy import scripted_trainer
 from toy_envs import FailsToStart
 from trainer_helpers import cpu_config, settings_config
 
@@ -34,7 +34,7 @@ pytestmark = pytest.mark.timeout(300)
 def test_evaluation_on_held_out_seeds_reports_the_success_rate(tmp_path, tiny_model_path):
     config = cpu_config(tmp_path, env_name="corridor", eval_greedy=True, per_device_eval_batch_size=2)
     held_out = task_dataset([100, 101], options=[{"length": 4}, {"length": 6}])
-    trainer = ScriptedTrainer(tiny_model_path, args=config, train_dataset=task_dataset(range(4)), eval_dataset=held_out)
+    trainer = scripted_trainer(tiny_model_path, args=config, train_dataset=task_dataset(range(4)), eval_dataset=held_out)
 
     metrics = trainer.evaluate()
 
@@ -134,7 +134,7 @@ def test_the_evaluation_loss_runs_in_passes_of_at_most_the_bound_and_equals_one_
 def test_a_recipe_told_the_panel_figure_before_training_plays_it_after_training_only(tmp_path, tiny_model_path,
                                                                                       capsys):
     config = cpu_config(tmp_path, env_name="corridor", eval_greedy=True, per_device_eval_batch_size=2, max_steps=1)
-    trainer = ScriptedTrainer(tiny_model_path, args=config, train_dataset=task_dataset(range(4)),
+    trainer = scripted_trainer(tiny_model_path, args=config, train_dataset=task_dataset(range(4)),
                               eval_dataset=task_dataset([100, 101]))
 
     outcome = train_and_report(trainer, evaluate_first=False)
@@ -149,7 +149,7 @@ def test_the_panel_after_training_is_the_last_periodic_evaluation_when_the_run_m
         tmp_path, tiny_model_path):
     config = cpu_config(tmp_path, env_name="corridor", eval_greedy=True, per_device_eval_batch_size=2, max_steps=2,
                         eval_strategy="steps", eval_steps=1)
-    trainer = ScriptedTrainer(tiny_model_path, args=config, train_dataset=task_dataset(range(4)),
+    trainer = scripted_trainer(tiny_model_path, args=config, train_dataset=task_dataset(range(4)),
                               eval_dataset=task_dataset([100, 101]))
 
     outcome = train_and_report(trainer)

@@ -172,7 +172,7 @@ def test_a_lora_model_generates_at_the_precision_it_trains_at(tmp_path, tiny_mod
     dtypes = []
     layer = trainer.model.get_base_model().model.layers[0].mlp.down_proj.base_layer
     hook = layer.register_forward_hook(lambda module, inputs, output: dtypes.append(output.dtype))
-    trainer._generate_turn([[{"role": "user", "content": "Go."}]], [None])
+    trainer.turns([[{"role": "user", "content": "Go."}]], [None])
     hook.remove()
     assert dtypes and set(dtypes) == {torch.bfloat16}
     assert next(trainer.model.parameters()).dtype == torch.float32

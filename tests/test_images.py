@@ -17,7 +17,8 @@ from trainer_helpers import cpu_config
 from trl.trainer.utils import split_pixel_values_by_grid
 
 from gigpo_trl import GiGPOTrainer, task_dataset
-from gigpo_trl.batch import PER_TOKEN_IMAGE_KEYS, loss_batch
+from gigpo_trl.batch import loss_batch
+from gigpo_trl.observations import PER_TOKEN_IMAGE_KEYS
 from gigpo_trl.dialogue import Exchange, TextDialogue
 from gigpo_trl.env_base import BaseTextEnv
 from gigpo_trl.env_checker import EnvCheckError, check_env
@@ -150,7 +151,7 @@ def test_a_windowed_prompt_shows_the_past_image_then_the_current_one() -> None:
     past, now = picture((255, 0, 0)), picture((0, 255, 0))
     start = EnvOutput(IMAGE_MARKER, images=(past,))
     current = EnvOutput(IMAGE_MARKER, images=(now,))
-    exchange = Exchange(IMAGE_MARKER, ParsedAction("up", True), current, None, (past,))
+    exchange = Exchange(EnvOutput(IMAGE_MARKER, images=(past,)), ParsedAction("up", True), current, None)
     messages = TextDialogue(history_length=1).prompt(start, current, [exchange], step=1)
     assert message_images(messages) == [past, now]
     assert message_images(TextDialogue(history_length=0).prompt(start, current, [exchange], step=1)) == [now]
@@ -220,7 +221,7 @@ def test_every_forward_pass_reads_each_step_samples_own_images(tmp_path, vision_
     messages = [str(warning.message) for warning in warned]
     assert any("packed_update is off for this model" in m and "multimodal" in m for m in messages)
     assert any("generation_prefix_cache is off" in m and "multimodal" in m for m in messages)
-    assert not trainer._packed_update and trainer.prefix_cache is None
+    assert not trainer._packed_update and trainer.turns.prefix_cache is None
     pool = trainer._pool("train", 2, 2)
     rollout = trainer._play(pool, [Task(1, None), Task(2, None)], greedy=False)
     trainer.close_environments()
@@ -312,7 +313,8 @@ def test_a_trl_environment_class_whose_tool_returns_a_picture() -> None:
     assert not terminated and readable(*split_observation(observation)) == "[image 8x8]\nup: green"
     tool_messages = info[INFO_TOOL_MESSAGES]
     start = EnvOutput("x", info={INFO_PROMPT: [{"role": "user", "content": "x"}]})
-    past = Exchange("", ParsedAction(json.dumps(call), True), EnvOutput("", info={INFO_TOOL_MESSAGES: tool_messages}), None)
+    past = Exchange(EnvOutput(""), ParsedAction(json.dumps(call), True), EnvOutput("", info={INFO_TOOL_MESSAGES: tool_messages}),
+                    None)
     windowed = ToolCallDialogue(None, history_length=1).prompt(start, start, [past], step=1)
     assert [message["role"] for message in windowed] == ["user", "assistant", "tool"]
     assert message_images(windowed) == message_images(tool_messages)

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from gigpo_trl.dialogue import Completion, PromptTooLong
 from gigpo_trl.env_pool import EnvPool
-from gigpo_trl.generation import over_long_prompts, prompt_token_limit
+from gigpo_trl.turns import over_long_prompts, prompt_token_limit
 from gigpo_trl.records import read_trajectories
 from gigpo_trl.rollout import collect_rollout
 from gigpo_trl.tasks import Task, task_dataset
@@ -48,7 +48,7 @@ def test_an_episode_whose_observation_outgrows_the_context_ends_truncated_instea
         trainer.train()
     trainer.close_environments()
 
-    assert trainer.prompt_token_limit == 400 - 12
+    assert trainer.turns.prompt_token_limit == 400 - 12
     assert sent and max(sent) <= 388  # no prompt over the limit reached the model (nor was one cut to fit)
     log = next(entry for entry in trainer.state.log_history if "env/context_overflow_share" in entry)
     assert log["env/context_overflow_share"] == 1.0 and log["env/truncated_share"] == 1.0

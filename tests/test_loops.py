@@ -10,7 +10,7 @@ import re
 
 import pytest
 import torch
-from scripted_policy import ScriptedToolTrainer, ScriptedTrainer
+from scripted_policy import scripted_tool_trainer, scripted_trainer
 from toy_envs import Corridor
 from toy_tool_envs import IncrementEnv
 from trainer_helpers import cpu_config, logged_metrics
@@ -280,10 +280,6 @@ def oscillating_answer(prompt_text: str, position: int) -> str:
     return f"<action>{oscillate(0, cell)}</action>"
 
 
-class OscillatingTrainer(ScriptedTrainer):
-    corridor = staticmethod(oscillating_answer)
-
-
 @pytest.fixture
 def one_thread():
     """As fast for the tiny model, and many times faster when other processes share the cores."""
@@ -299,7 +295,7 @@ def test_training_and_evaluation_log_record_and_report_the_loops_of_an_oscillati
                         gradient_accumulation_steps=1, env_processes=False, per_device_eval_batch_size=2,
                         disable_tqdm=True)
     corridors = [{"length": 6}] * 4
-    trainer = OscillatingTrainer(tiny_model_path, args=config, train_dataset=task_dataset(range(4), corridors),
+    trainer = scripted_trainer(tiny_model_path, corridor=oscillating_answer, args=config, train_dataset=task_dataset(range(4), corridors),
                                  eval_dataset=task_dataset([7, 8], corridors[:2]))
     trainer.train()
     evaluation = trainer.evaluate()
@@ -334,7 +330,7 @@ def test_every_logged_training_step_is_recorded_with_its_entropy_gradient_norm_a
                                                                                               one_thread):
     # The scripted corridor walk of tests/scripted_policy.py: copies of a task differ, so gradients are not 0.
     config = cpu_config(tmp_path, env_name="corridor", max_steps=3, env_processes=False, disable_tqdm=True)
-    trainer = ScriptedTrainer(tiny_model_path, args=config, train_dataset=task_dataset(range(4)))
+    trainer = scripted_trainer(tiny_model_path, args=config, train_dataset=task_dataset(range(4)))
     trainer.train()
     trainer.close_environments()
 
@@ -358,7 +354,7 @@ def test_a_tool_environment_anchored_on_its_calls_says_the_loop_metrics_do_not_a
     for anchor in ("tool_calls", "state"):
         config = cpu_config(tmp_path / anchor, max_completion_length=8, max_env_steps=8, max_steps=1,
                             tool_anchor=anchor, env_processes=False, disable_tqdm=True)
-        trainer = ScriptedToolTrainer(tool_model_path, args=config, train_dataset=prompts,
+        trainer = scripted_tool_trainer(tool_model_path, args=config, train_dataset=prompts,
                                       environment_factory=IncrementEnv)
         trainer.train()
         trainer.close_environments()

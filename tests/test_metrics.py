@@ -4,11 +4,13 @@ the completion logs, and the singleton warning."""
 from __future__ import annotations
 
 import functools
+import re
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
-from scripted_policy import ScriptedTrainer
+from scripted_policy import scripted_trainer
 from toy_envs import Corridor, FailsToStart
 from trainer_helpers import cpu_config, settings_config
 
@@ -156,7 +158,7 @@ def test_the_singleton_warning_is_about_training_rollouts_not_single_copy_evalua
 def test_completion_logs_hold_each_step_prompt_answer_reward_and_advantage(tmp_path, tiny_model_path):
     config = cpu_config(tmp_path, env_name="corridor", per_device_train_batch_size=2, steps_per_generation=1,
                         gradient_accumulation_steps=1, max_env_steps=6, log_completions=True)
-    trainer = ScriptedTrainer(tiny_model_path, args=config, train_dataset=task_dataset([1]))
+    trainer = scripted_trainer(tiny_model_path, args=config, train_dataset=task_dataset([1]))
     trainer.model.train()
 
     batch = trainer._generate_and_score_completions([trainer.train_dataset[0]] * 2)
@@ -186,12 +188,14 @@ def walk_right(prompts, tools):
 def walked_rollout(env_fn, seeds: list[int], group_size: int, max_env_steps: int, reset_attempts: int = 3,
                    prefill_tokens: int | None = None, **summary_options) -> tuple:
     """`walk_right` in `group_size` copies of each seed's environment: the rollout, its advantages and its summary as
-    the trainer makes them (`prefill_tokens`: what the generator says it forwarded)."""
+    the trainer makes them (`prefill_tokens`: what the generator says each answer's prompt forwarded)."""
+    def walk(prompts, tools):
+        return [replace(completion, prefill_tokens=prefill_tokens) for completion in walk_right(prompts, tools)]
+
     with EnvPool(env_fn, num_groups=len(seeds), group_size=group_size, processes=False,
                  reset_attempts=reset_attempts) as pool:
-        rollout = collect_rollout(pool, [Task(seed) for seed in seeds], walk_right, max_env_steps=max_env_steps,
+        rollout = collect_rollout(pool, [Task(seed) for seed in seeds], walk, max_env_steps=max_env_steps,
                                   show_progress=False)
-    rollout.prefill_tokens = prefill_tokens
     steps = rollout.steps
     gigpo = compute_gigpo_advantages(steps.reward, steps.group, steps.trajectory, steps.step, steps.anchor)
     summary = RolloutSummary.of(rollout, gigpo, RolloutTimes(1.0, 0.5, 0.5, 0.0), max_completion_length=8,
@@ -321,9 +325,34 @@ def test_an_environment_metric_that_cannot_be_logged_is_refused_by_name(metrics,
 
 
 def test_the_prefill_is_logged_only_where_every_process_says_what_it_forwarded():
-    _, _, cached = walked_rollout(Corridor, [0, 1], group_size=2, max_env_steps=3, prefill_tokens=7)
+    played, _, cached = walked_rollout(Corridor, [0, 1], group_size=2, max_env_steps=3, prefill_tokens=7)
     _, _, vllm = walked_rollout(Corridor, [0, 1], group_size=2, max_env_steps=3)  # the generator did not say
 
-    assert rollout_metrics([cached, cached])["generation/prefill_tokens"] == 14
+    assert played.prefill_tokens == 7 * len(played.steps)
+    assert rollout_metrics([cached, cached])["generation/prefill_tokens"] == 2 * 7 * len(played.steps)
     assert "generation/prefill_tokens" not in rollout_metrics([cached, vllm])
     assert rollout_metrics([cached, vllm])["generation/prompt_tokens"] == 2 * cached.prompt_tokens
+
+
+def test_off_format_answers_are_told_apart_by_whether_the_lenient_parser_found_an_admissible_action_in_them():
+    # Per step of a 4-cell corridor: a well-formed answer, one that breaks the format but names "right" (mapped by the
+    # lenient parser, played), and one that names no admissible action (sent as written: the corridor does not move).
+    answers = ["<action>right</action>", "I go right", "Let me think about it.", "<action>right</action>"]
+
+    def mixed(prompts, tools):
+        step = int(re.search(r"\(step (\d+)\)", prompts[0][-1]["content"]).group(1))
+        return [Completion([1, 2, 3], [4], answers[step]) for _ in prompts]
+
+    with EnvPool(Corridor, num_groups=1, group_size=2, processes=False) as pool:
+        rollout = collect_rollout(pool, [Task(1)], mixed, max_env_steps=4, show_progress=False)
+    steps = rollout.steps
+    gigpo = compute_gigpo_advantages(steps.reward, steps.group, steps.trajectory, steps.step, steps.anchor)
+    summary = RolloutSummary.of(rollout, gigpo, RolloutTimes(1.0, 0.5, 0.5, 0.0), max_completion_length=8,
+                                end_token_ids={4}, update_samples=range(len(steps)))
+    metrics = rollout_metrics([summary])
+
+    # turn by turn, both copies alike
+    assert steps.action_match == ["exact", "exact", "contained", "contained", None, None, "exact", "exact"]
+    assert steps.valid == [True, True, False, False, False, False, True, True]
+    assert steps.action[4] == "Let me think about it." and rollout.episodes[0].won
+    assert metrics["env/invalid_action_rate"] == 0.5 and metrics["env/invalid_mapped_rate"] == 0.25

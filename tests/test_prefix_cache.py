@@ -89,7 +89,7 @@ def greedy_rollout(tiny_model_path: str, tmp_path, prefix_cache: bool, history_l
     trainer = GiGPOTrainer(tiny_model_path, args=config, train_dataset=task_dataset(range(4)))
     trainer.train()
     trainer.close_environments()
-    assert prefix_cache == (trainer.prefix_cache is not None)
+    assert prefix_cache == (trainer.turns.prefix_cache is not None)
     steps = trainer.last_rollout.steps
     logged = next(entry for entry in trainer.state.log_history if "generation/prompt_tokens" in entry)
     return [(c.prompt_ids, c.completion_ids) for c in steps.completion], logged
@@ -120,9 +120,9 @@ def test_the_kept_prefixes_are_dropped_after_each_rollout_as_the_weights_change(
     play = trainer._play
 
     def recording_play(*args, **kwargs):
-        played.append(bool(trainer.prefix_cache._kept))  # what the rollout starts with
+        played.append(bool(trainer.turns.prefix_cache._kept))  # what the rollout starts with
         rollout = play(*args, **kwargs)
-        played.append(bool(trainer.prefix_cache._kept))  # what it leaves
+        played.append(bool(trainer.turns.prefix_cache._kept))  # what it leaves
         return rollout
 
     trainer._play = recording_play
@@ -150,4 +150,4 @@ def test_the_prefix_cache_names_what_it_cannot_serve(tmp_path, tiny_model_path):
                       "prompt is forwarded whole"):
         trainer = GiGPOTrainer(model, args=cpu_config(tmp_path, env_name="corridor"), train_dataset=task_dataset(range(4)),
                                processing_class=AutoTokenizer.from_pretrained(tiny_model_path))
-    assert trainer.prefix_cache is None
+    assert trainer.turns.prefix_cache is None

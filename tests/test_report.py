@@ -15,7 +15,7 @@ from pathlib import Path
 import matplotlib.image
 import pytest
 import torch
-from scripted_policy import ScriptedTrainer
+from scripted_policy import scripted_trainer
 from toy_envs import Corridor
 
 from gigpo_trl.config import GiGPOConfig
@@ -40,7 +40,7 @@ def run_dir(tmp_path_factory, tiny_model_path) -> Path:
         report_to=[], activation_checkpointing=False, save_strategy="no", eval_strategy="steps", eval_steps=2,
         per_device_eval_batch_size=2, env_processes=False, disable_tqdm=True, seed=0,
     )
-    trainer = ScriptedTrainer(tiny_model_path, args=config, env=Corridor, train_dataset=task_dataset(range(4)),
+    trainer = scripted_trainer(tiny_model_path, args=config, env=Corridor, train_dataset=task_dataset(range(4)),
                               eval_dataset=task_dataset([100]))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as fast for a tiny model, and many times faster when other processes share the cores
@@ -250,7 +250,7 @@ def sampled_run_dir(tmp_path_factory, tiny_model_path) -> Path:
         invalid_action_penalty=0.0, dynamic_sampling_max_rounds=2, shuffle_dataset=False,
     )
     lengths = [12, 3, 12, 12, 12, 3]
-    trainer = ScriptedTrainer(tiny_model_path, args=config, env=Corridor,
+    trainer = scripted_trainer(tiny_model_path, args=config, env=Corridor,
                               train_dataset=task_dataset(range(6), options=[{"length": n} for n in lengths]))
     try:
         trainer.train()

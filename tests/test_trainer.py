@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 from peft import LoraConfig
-from scripted_policy import ScriptedTrainer
+from scripted_policy import scripted_trainer
 from trainer_helpers import cpu_config, parameters, settings_config
 
 from gigpo_trl.advantages import compute_gigpo_advantages
@@ -28,7 +28,7 @@ LOGGED_METRICS = [
     ("trainer_class", "env_name"),
     [
         (GiGPOTrainer, "sokoban"),  # the tiny model's own answers: the step penalty already varies the returns
-        (ScriptedTrainer, "textworld"),  # admissible commands drawn at random: some copies find the treasure
+        (scripted_trainer, "textworld"),  # admissible commands drawn at random: some copies find the treasure
     ],
 )
 def test_a_short_run_changes_the_weights_and_logs_the_metrics(tmp_path, tiny_model_path, trainer_class, env_name):
@@ -53,7 +53,7 @@ def test_a_short_run_changes_the_weights_and_logs_the_metrics(tmp_path, tiny_mod
 def test_scripted_rollout_gives_the_hand_computed_step_rows_and_advantages(tmp_path, tiny_model_path, step_lambda):
     config = cpu_config(tmp_path, env_name="corridor", per_device_train_batch_size=2, steps_per_generation=1,
                         gradient_accumulation_steps=1, max_env_steps=6, step_advantage_lambda=step_lambda)
-    trainer = ScriptedTrainer(tiny_model_path, args=config, train_dataset=task_dataset([1]))  # corridor of 4 cells
+    trainer = scripted_trainer(tiny_model_path, args=config, train_dataset=task_dataset([1]))  # corridor of 4 cells
     trainer.model.train()  # as during Trainer.train(): the training path
     rows = [trainer.train_dataset[0]] * 2
 

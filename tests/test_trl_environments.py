@@ -9,7 +9,7 @@ from collections import Counter
 
 import pytest
 from datasets import Dataset
-from scripted_policy import ScriptedToolTrainer, tool_call
+from scripted_policy import counter_answer, scripted_tool_trainer, tool_call
 from toy_tool_envs import GuessTheNumber, IncrementEnv, guess_reward
 from trainer_helpers import cpu_config
 from trl import GRPOConfig, GRPOTrainer
@@ -43,7 +43,7 @@ def replay(factory, episode, actions, **kwargs) -> list:
 
 
 def test_a_counter_trains_one_turn_a_step_with_rewards_that_sum_to_get_reward(tmp_path, tool_model_path):
-    trainer = ScriptedToolTrainer(tool_model_path, args=tool_config(tmp_path), train_dataset=rows(4),
+    trainer = scripted_tool_trainer(tool_model_path, args=tool_config(tmp_path), train_dataset=rows(4),
                                   environment_factory=IncrementEnv)
     trainer.train()
 
@@ -68,7 +68,7 @@ def test_a_counter_trains_one_turn_a_step_with_rewards_that_sum_to_get_reward(tm
 
 
 def test_step_groups_are_the_states_the_copies_share_when_replayed(tmp_path, tool_model_path):
-    trainer = ScriptedToolTrainer(tool_model_path, args=tool_config(tmp_path), train_dataset=rows(4),
+    trainer = scripted_tool_trainer(tool_model_path, args=tool_config(tmp_path), train_dataset=rows(4),
                                   environment_factory=IncrementEnv)
     trainer.train()
 
@@ -99,11 +99,8 @@ def guess_answer(messages: list[dict], position: int) -> str:
 
 
 def test_a_guessing_game_with_done_and_reward_funcs_scores_the_last_step(tmp_path, tool_model_path):
-    class GuessingTrainer(ScriptedToolTrainer):
-        answer = staticmethod(guess_answer)
-
-    trainer = GuessingTrainer(tool_model_path, args=tool_config(tmp_path, history_length=8), train_dataset=rows(4),
-                              environment_factory=GuessTheNumber, reward_funcs=guess_reward)
+    trainer = scripted_tool_trainer(tool_model_path, answer=guess_answer, args=tool_config(tmp_path, history_length=8),
+                                    train_dataset=rows(4), environment_factory=GuessTheNumber, reward_funcs=guess_reward)
     trainer.train()
 
     steps = trainer.last_rollout.steps
@@ -119,7 +116,7 @@ def test_a_guessing_game_with_done_and_reward_funcs_scores_the_last_step(tmp_pat
 def test_a_class_without_won_logs_no_success_rate_anywhere_while_its_returns_are_logged(tmp_path, tool_model_path,
                                                                                          capsys):
     # IncrementEnv has get_reward and no `won`: whether an episode was won is unknown, which is not a success rate of 0.
-    trainer = ScriptedToolTrainer(tool_model_path, args=tool_config(tmp_path, per_device_eval_batch_size=2),
+    trainer = scripted_tool_trainer(tool_model_path, args=tool_config(tmp_path, per_device_eval_batch_size=2),
                                   train_dataset=rows(4), eval_dataset=rows(1), environment_factory=IncrementEnv)
     outcome = train_and_report(trainer)
 
@@ -143,7 +140,7 @@ def test_dynamic_sampling_plays_further_dataset_rows_with_fresh_seeds_each_round
     has a signal, and the iteration plays its 2 extra rounds. Their rows come from the training set (4 rows: every
     round draws all of them again), and every task gets a fresh seed, as TRL's environments draw at every reset."""
     def sampled_tasks() -> tuple[list, list, dict]:
-        trainer = ScriptedToolTrainer(tool_model_path, args=tool_config(tmp_path, gamma=1.0, dynamic_sampling_max_rounds=2),
+        trainer = scripted_tool_trainer(tool_model_path, args=tool_config(tmp_path, gamma=1.0, dynamic_sampling_max_rounds=2),
                                       train_dataset=rows(4), environment_factory=IncrementEnv)
         trainer.train()
         trainer.close_environments()
@@ -234,15 +231,14 @@ def test_the_class_s_own_anchor_property_is_used_and_is_no_tool():
 
 
 def test_rows_are_routed_to_a_dict_of_environments_by_their_environment_column(tmp_path, tool_model_path):
-    class RoutedTrainer(ScriptedToolTrainer):
-        @staticmethod
-        def answer(messages, position):
-            guessing = "secret number" in messages[0]["content"]
-            return guess_answer(messages, position) if guessing else ScriptedToolTrainer.answer(messages, position)
+    def answer(messages, position):
+        guessing = "secret number" in messages[0]["content"]
+        return guess_answer(messages, position) if guessing else counter_answer(messages, position)
 
     dataset = rows(4).add_column("environment", ["counter", "guess"] * 2)
-    trainer = RoutedTrainer(tool_model_path, args=tool_config(tmp_path, history_length=8), train_dataset=dataset,
-                            environment_factory={"counter": IncrementEnv, "guess": GuessTheNumber})
+    trainer = scripted_tool_trainer(tool_model_path, answer=answer, args=tool_config(tmp_path, history_length=8),
+                                    train_dataset=dataset,
+                                    environment_factory={"counter": IncrementEnv, "guess": GuessTheNumber})
     trainer.train()
 
     episodes = trainer.last_rollout.episodes

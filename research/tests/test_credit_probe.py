@@ -22,7 +22,7 @@ from research.credit_probe import (
     shuffle_state_values, sign_agreement, signal_names, signals, state_values, step_distances, step_label,
     subgroup_ids, verdict, zero_share,
 )
-from tests.scripted_policy import ScriptedTrainer
+from tests.scripted_policy import scripted_trainer
 from tests.toy_envs import UnseededCorridor
 
 # The advantage settings of setting D's recipe (research/configs/learning_coin_gpu.yaml).
@@ -177,7 +177,7 @@ def test_the_probe_runs_at_tiny_scale(tiny_model_path, tmp_path, capsys):
     output = tmp_path / "probe.json"
 
     report = main(["--tiny", "--configs", str(config), "--model", tiny_model_path, "--output", str(output)],
-                  trainer_class=ScriptedTrainer)
+                  make_trainer=scripted_trainer)
 
     assert json.loads(output.read_text())["games"].keys() == {"rooms5_idle2"}
     game = report["games"]["rooms5_idle2"]
