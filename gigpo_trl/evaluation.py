@@ -2,8 +2,9 @@
 folder, played on its base model), a Hub model or the embedded model plays one or more panels of held-out tasks,
 greedily and/or with k sampled copies of each task, through `GiGPOTrainer.evaluate`, the very evaluation a training
 run makes periodically: the same rollout, metrics (`gigpo_trl.metrics.panel_metrics`) and records. What this module
-adds is what a command needs around it: the panels by fold and task type, the model from a folder, each panel's
-episodes and a report written to the output folder.
+adds is what a command needs around it: the panels by fold and task type (by default the training run's own held-out
+panel), the model from a folder, each panel's episodes and a report written to a folder of the evaluation's own
+(`evaluation_dir`: never among a training run's records).
 
     OUTPUT_DIR/episodes.jsonl     one JSON object per episode played: {"panel", "decoding", "task", "copy",
                                   "task_type", "won", "return", "length", "unplayed", "metrics"}
@@ -19,34 +20,42 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gigpo_trl.envs import FOLDS, INFO_TASK_TYPE, fold_seeds, make_env
+from gigpo_trl.envs import FOLDS, INFO_TASK_TYPE, make_env
 from gigpo_trl.metric_names import PASS_AT_PREFIX, RETURN_MEAN, SUCCESS_RATE
 from gigpo_trl.metrics import PanelEpisode, panel_metrics
 from gigpo_trl.models import EMBEDDED_MODEL, resolve_model
-from gigpo_trl.tasks import task_dataset
+from gigpo_trl.records import holds_training_records
+from gigpo_trl.tasks import TaskArguments, task_dataset
 
 if TYPE_CHECKING:
     from datasets import Dataset
 
 DECODINGS = ("greedy", "sampled")
+# Tasks of a panel where neither the command nor the config says (`num_eval_tasks`).
+DEFAULT_PANEL_TASKS = 16
+EVALUATION_DIR = "evaluation"
 EPISODES_FILE = "episodes.jsonl"
 REPORT_FILE = "evaluation.json"
 
 
 @dataclass
 class EvaluationArguments:
-    """What `recipes/evaluate.py` plays, parsed by TRL's `TrlParser` beside `GiGPOConfig` (whose environment settings,
-    `env_name`, `env_kwargs`, `max_env_steps`, the prompt, should be those the model was trained with, and whose
-    `output_dir` receives the records and the report) and TRL's `ModelConfig` (`model_name_or_path`: the model
-    evaluated, see `load_model`)."""
+    """What `recipes/evaluate.py` plays, parsed by TRL's `TrlParser` beside the training config's `TaskArguments` (its
+    held-out panel, the default here), `GiGPOConfig` (whose environment settings, `env_name`, `env_kwargs`,
+    `max_env_steps`, the prompt, should be those the model was trained with) and TRL's `ModelConfig`
+    (`model_name_or_path`: the model evaluated, see `load_model`)."""
 
-    panels: list[str] = field(
-        default_factory=lambda: ["dev"],
+    panels: list[str] | None = field(
+        default=None,
         metadata={"help": "The panels to play, each a fold ('train', 'dev', 'test'), optionally with task types "
                   "after a colon: 'dev:corridor-4,corridor-6' keeps the tasks, among the first num_tasks of the dev "
-                  "fold, whose environment reports one of those types (info['task_type'] on reset)."},
+                  "fold, whose environment reports one of those types (info['task_type'] on reset). Default: the "
+                  "config's eval_fold, the training run's held-out panel."},
     )
-    num_tasks: int = field(default=16, metadata={"help": "Tasks of each panel: the first N seeds of its fold."})
+    num_tasks: int | None = field(
+        default=None, metadata={"help": "Tasks of each panel: the first N seeds of its fold (of the tasks in the "
+                                "config's optimal-steps range, where it sets one). Default: the config's "
+                                f"num_eval_tasks, the training run's held-out panel, else {DEFAULT_PANEL_TASKS}."})
     greedy: bool = field(default=True, metadata={"help": "Play each panel once per task with greedy decoding."})
     samples: int = field(
         default=0,
@@ -61,9 +70,9 @@ class EvaluationArguments:
     )
 
     def __post_init__(self) -> None:
-        for panel in self.panels:
+        for panel in self.panels or []:
             Panel.parse(panel)
-        if self.num_tasks < 1:
+        if self.num_tasks is not None and self.num_tasks < 1:
             raise ValueError(f"num_tasks must be >= 1, got {self.num_tasks}")
         if self.samples < 0 or self.samples == 1:
             raise ValueError(f"samples must be 0 (no sampled evaluation) or >= 2 copies of each task, got "
@@ -103,9 +112,11 @@ class Panel:
     def name(self) -> str:
         return self.fold + (":" + ",".join(self.task_types) if self.task_types else "")
 
-    def dataset(self, env: Any, env_kwargs: dict[str, Any], num_tasks: int) -> Dataset:
-        """Its tasks: the first `num_tasks` seeds of its fold, those whose reset reports one of its task types."""
-        seeds = fold_seeds(env, self.fold, num_tasks, **env_kwargs)
+    def dataset(self, env: Any, env_kwargs: dict[str, Any], num_tasks: int, task_args: TaskArguments | None = None
+                ) -> Dataset:
+        """Its tasks: the first `num_tasks` seeds of its fold (as `task_args` draws a training run's held-out panel,
+        in its optimal-steps range where it sets one), those whose reset reports one of its task types."""
+        seeds = (task_args or TaskArguments()).seeds(env, self.fold, num_tasks, env_kwargs)
         if self.task_types:
             types = task_types(env, env_kwargs, seeds)
             seeds = [seed for seed in seeds if types[seed] in self.task_types]
@@ -113,6 +124,37 @@ class Panel:
                 raise ValueError(f"panel {self.name!r}: none of the first {num_tasks} tasks of the {self.fold} fold is "
                                  f"of type {' or '.join(self.task_types)}; their types: {sorted(set(map(str, types.values())))}")
         return task_dataset(seeds)
+
+
+def panel_datasets(arguments: EvaluationArguments, task_args: TaskArguments, env: Any,
+                   env_kwargs: dict[str, Any]) -> dict[str, Dataset]:
+    """The panels to play, by name: those `arguments` name, else the training run's held-out panel (`task_args`'
+    `eval_fold`), each of `arguments.num_tasks` tasks, else of the run's `num_eval_tasks`, else `DEFAULT_PANEL_TASKS`,
+    drawn as the run draws its panel."""
+    num_tasks = arguments.num_tasks or task_args.num_eval_tasks or DEFAULT_PANEL_TASKS
+    return {text: Panel.parse(text).dataset(env, env_kwargs, num_tasks, task_args)
+            for text in arguments.panels or [task_args.eval_fold]}
+
+
+def evaluation_dir(model: str, output_dir: str, output_dir_given: bool) -> Path:
+    """Where an evaluation writes its episodes, report and records: `output_dir` where the command line gave it;
+    otherwise a folder of its own, never the config's `output_dir` (a training run's, whose records it would set
+    aside): `<model folder>/evaluation` for a saved model, `<output_dir>/evaluation-<model name>` for a Hub model or
+    the embedded one.
+
+    Raises:
+        ValueError: the folder holds a training run's records.
+    """
+    if output_dir_given:
+        folder = Path(output_dir)
+    elif Path(model).is_dir():
+        folder = Path(model) / EVALUATION_DIR
+    else:
+        folder = Path(output_dir) / f"{EVALUATION_DIR}-{model.replace(':', '/').rsplit('/', 1)[-1]}"
+    if holds_training_records(folder):
+        raise ValueError(f"{folder} holds the records of a training run, which an evaluation would set aside: give "
+                         "the evaluation a folder of its own (--output_dir)")
+    return folder
 
 
 def task_types(env: Any, env_kwargs: dict[str, Any], seeds: list[int]) -> dict[int, str | None]:
@@ -170,7 +212,7 @@ def evaluate_panels(trainer: Any, panels: dict[str, Dataset], arguments: Evaluat
             record, episodes = trainer.last_evaluation, trainer.last_evaluation_episodes
             if arguments.pass_at and copies > 1:
                 record["metrics"] = panel_metrics(episodes, arguments.pass_at)
-            records.append(record)
+            records.append({**record, "first_seed": dataset["seed"][0]})
             episode_rows += [{"panel": name, "decoding": decoding, **episode_row(e)} for e in episodes]
     if trainer.accelerator.is_main_process:
         output_dir = Path(args.output_dir)
@@ -189,8 +231,9 @@ def episode_row(episode: PanelEpisode) -> dict[str, Any]:
 
 
 def summary(records: list[dict[str, Any]]) -> str:
-    """The lines the command prints: for each (panel, decoding) played, its tasks, success rate (or mean return where
-    the environment does not say whether a task is won), pass@k and unplayed tasks."""
+    """The lines the command prints: for each (panel, decoding) played, the panel (its fold and task types, its tasks
+    and their first seed: two figures compare where these are equal), its success rate (or mean return where the
+    environment does not say whether a task is won), pass@k and unplayed tasks."""
     lines = []
     for record in records:
         metrics = record["metrics"]
@@ -198,8 +241,8 @@ def summary(records: list[dict[str, Any]]) -> str:
                   else f"mean return {metrics.get(RETURN_MEAN, float('nan')):.4g}")
         passes = [f"{name.removeprefix('env/')} {value:.1%}" for name, value in metrics.items()
                   if name.startswith(PASS_AT_PREFIX) and name.count("/") == 1]
-        line = (f"{record['panel']} ({record['decoding']}, {len(record['tasks'])} tasks x {record['copies']}): "
-                + ", ".join([figure, *passes]))
+        line = (f"{record['panel']} ({len(record['tasks'])} tasks from seed {record['first_seed']}, "
+                f"{record['decoding']} x {record['copies']}): " + ", ".join([figure, *passes]))
         if record["unplayed"]:
             line += f"; not played: {', '.join(record['unplayed'])}"
         lines.append(line)

@@ -19,7 +19,7 @@
         [{"group", "trajectory", "seed", "length", "return", "won" (null: the environment did not say), "truncated",
           "env_error", "context_overflow" (why a step's prompt did not fit the context; null), "ends_in_cycle",
           "distinct_states",
-          "steps": [{"step", "observation", "completion", "action", "valid", "reward", "step_group_size",
+          "steps": [{"step", "observation", "completion", "action", "valid", "action_match", "reward", "step_group_size",
                      "episode_advantage", "step_advantage", "advantage", "next_state", "revisit", "stay",
                      "turn_back"}]}]
         The loop fields (`gigpo_trl.loops.EpisodeLoops`) are null where unknown or not counted, and everywhere in an
@@ -54,6 +54,9 @@ from gigpo_trl.rollout import Rollout
 ADVANTAGE_BINS = np.linspace(-4.125, 4.125, 34)
 RECORDS_DIR = "gigpo"
 RECORD_FILES = ("iterations.jsonl", "evaluations.jsonl", "updates.jsonl")
+# The keys every record of each file holds: a line without them is not one of this project's records.
+RECORD_KEYS = {"iterations.jsonl": ("step", "mode", "rollout", "metrics"), "evaluations.jsonl": ("step", "metrics"),
+               "updates.jsonl": ("step", "metrics")}
 SET_ASIDE_PREFIX = "set_aside-"
 # What TRL logs of a training step that the report draws (those logged; `grad_norm/spike` is GiGPOTrainer's).
 UPDATE_METRICS = ("loss", "entropy", "grad_norm", GRAD_NORM_SPIKE, "learning_rate")
@@ -86,6 +89,7 @@ def episode_records(rollout: Rollout, gigpo: GiGPOAdvantages, limit: int) -> lis
             {
                 "step": samples.step[row], "observation": samples.observation[row],
                 "completion": samples.completion[row].text, "action": samples.action[row], "valid": samples.valid[row],
+                "action_match": samples.action_match[row],
                 "reward": samples.reward[row], "step_group_size": int(gigpo.step_group_sizes[row]),
                 "episode_advantage": float(gigpo.episode_advantages[row]),
                 "step_advantage": float(gigpo.step_advantages[row]), "advantage": float(gigpo.advantages[row]),
@@ -192,45 +196,72 @@ def open_records(output_dir: str | Path, resume_step: int | None) -> tuple[dict[
         what was set aside (None when nothing was).
     """
     directory = Path(output_dir) / RECORDS_DIR
-    records = {name: _complete_records(directory / name) for name in RECORD_FILES if (directory / name).is_file()}
+    files = [directory / name for name in RECORD_FILES if (directory / name).is_file()]
     trajectories = sorted((directory / "trajectories").glob("*.json"))
-    if not any(records.values()) and not trajectories:
+    if not any(path.read_text().strip() for path in files) and not trajectories:
         return {"train": 0, "eval": 0}, None
+    aside = directory / time.strftime(f"{SET_ASIDE_PREFIX}%Y%m%d-%H%M%S")
+    while aside.exists():  # two runs started within the second
+        aside = aside.with_name(aside.name + "+")
+    if resume_step is None:
+        return {"train": 0, "eval": 0}, _set_all_aside(directory, files, trajectories, aside)
+    records = {path.name: _complete_records(path) for path in files}
 
     def later(name: str, record: dict[str, Any]) -> bool:
-        if resume_step is None:
-            return True
         if name == "iterations.jsonl" and record["mode"] == "train":
             return record["step"] >= resume_step
         return record["step"] > resume_step
 
-    aside = directory / time.strftime(f"{SET_ASIDE_PREFIX}%Y%m%d-%H%M%S")
-    while aside.exists():  # two runs started within the second
-        aside = aside.with_name(aside.name + "+")
     moved = {name: [record for record in all_ if later(name, record)] for name, all_ in records.items()}
     kept = {name: [record for record in all_ if not later(name, record)] for name, all_ in records.items()}
     kept_rollouts = {f"{r['mode']}-{r['rollout']:05d}" for r in kept.get("iterations.jsonl", [])}
     trajectories_aside = [path for path in trajectories if path.stem not in kept_rollouts]
+    for name in records:  # rewritten whole: a last line the stopped run left half written is dropped
+        _write_lines(directory / name, kept[name])
     if not any(moved.values()) and not trajectories_aside:
         return count_rollouts(output_dir), None
     (aside / "trajectories").mkdir(parents=True)
     for name in records:
         _write_lines(aside / name, moved[name])
-        _write_lines(directory / name, kept[name])
     for path in trajectories_aside:
         shutil.move(path, aside / "trajectories" / path.name)
-    counts = count_rollouts(output_dir)
     training = [r["step"] for r in moved.get("iterations.jsonl", []) if r["mode"] == "train"]
     what = (f"{sum(len(records_aside) for records_aside in moved.values())} records"
             + (f" (training rollouts of steps {min(training)}-{max(training)})" if training else ""))
-    if resume_step is None:
-        message = (f"{directory} held the records of an earlier run: its {what} were moved to {aside}, and this run's "
-                   f"records start afresh. To continue that run instead, resume it from one of its checkpoints "
-                   f"(resume_from_checkpoint).")
-    else:
-        message = (f"resuming from the checkpoint of step {resume_step}: the {what} that the stopped run wrote after it "
-                   f"were moved to {aside}; the records continue from the checkpoint.")
-    return counts, message
+    return count_rollouts(output_dir), (f"resuming from the checkpoint of step {resume_step}: the {what} that the "
+                                        f"stopped run wrote after it were moved to {aside}; the records continue from "
+                                        "the checkpoint.")
+
+
+def _set_all_aside(directory: Path, files: list[Path], trajectories: list[Path], aside: Path) -> str:
+    """A fresh run's start where records exist: every record file and sample episode moves to `aside` as it is (lines
+    that are not this project's records too, whatever wrote them); returns what the warning says."""
+    (aside / "trajectories").mkdir(parents=True)
+    lines = [line for path in files for line in path.read_text().splitlines() if line.strip()]
+    training = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and record.get("mode") == "train" and isinstance(record.get("step"), int):
+            training.append(record["step"])
+    for path in files:
+        shutil.move(path, aside / path.name)
+        _write_lines(path, [])
+    for path in trajectories:
+        shutil.move(path, aside / "trajectories" / path.name)
+    what = f"{len(lines)} records" + (f" (training rollouts of steps {min(training)}-{max(training)})" if training else "")
+    return (f"{directory} held the records of an earlier run: its {what} were moved to {aside}, and this run's "
+            "records start afresh. To continue that run instead, resume it from one of its checkpoints "
+            "(resume_from_checkpoint).")
+
+
+def holds_training_records(output_dir: str | Path) -> bool:
+    """Whether OUTPUT_DIR/gigpo holds what a training run records: a training rollout or a logged training step."""
+    directory = Path(output_dir) / RECORDS_DIR
+    iterations = _complete_records(directory / "iterations.jsonl") if (directory / "iterations.jsonl").is_file() else []
+    return any(record["mode"] == "train" for record in iterations) or bool(read_updates(output_dir))
 
 
 def _write_lines(path: Path, records: list[dict[str, Any]]) -> None:
@@ -267,13 +298,27 @@ def read_trajectories(output_dir: str | Path) -> dict[str, list[dict[str, Any]]]
 
 
 def _complete_records(path: Path) -> list[dict[str, Any]]:
-    """The records of a jsonl file, without a last line still being written."""
+    """The records of a jsonl file of `RECORD_FILES`, without a last line still being written (not JSON yet).
+
+    Raises:
+        ValueError: another line is not one of the file's records (not a JSON object holding `RECORD_KEYS`): a file
+            of another version or of someone else's, which a run must neither take for its own nor drop; the error
+            names the file and the line.
+    """
+    lines = path.read_text().splitlines()
+    keys = RECORD_KEYS.get(path.name, ())
     records = []
-    for line in path.read_text().splitlines():
+    for number, line in enumerate(lines, start=1):
         try:
-            records.append(json.loads(line))
+            record = json.loads(line)
         except json.JSONDecodeError:
-            continue
+            if number == len(lines):
+                continue
+            record = None
+        if not isinstance(record, dict) or any(key not in record for key in keys):
+            raise ValueError(f"{path}, line {number}, is not a GiGPO record (a JSON object with {', '.join(keys)}): "
+                             f"{line[:120]!r}. Move the file away, or train and report in another output_dir.")
+        records.append(record)
     return records
 
 

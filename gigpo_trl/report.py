@@ -25,7 +25,7 @@ from transformers import TrainerCallback
 from gigpo_trl.metric_names import (
     CYCLE_END_SHARE, DISTINCT_STATES_MEAN, DYNAMIC_SAMPLING_PREFIX, ENV_ERROR_SHARE, EPISODE_ADVANTAGE_STD,
     EPISODE_LENGTH_MEAN, EXTRA_ROLLOUT_S, EXTRA_ROUNDS, GRAD_NORM_SPIKE, GROUPS_DROPPED, GROUPS_KEPT, GROUPS_MISSING,
-    GROUPS_ROLLED, GROUPS_SURPLUS, GROUP_RETURN_STD, INVALID_ACTION_RATE, LOOPS_PREFIX, NONZERO_ADVANTAGE_SHARE,
+    GROUPS_ROLLED, GROUPS_SURPLUS, GROUP_RETURN_STD, INVALID_ACTION_RATE, INVALID_MAPPED_RATE, LOOPS_PREFIX, NONZERO_ADVANTAGE_SHARE,
     NONZERO_STEP_ADVANTAGE_SHARE, PANEL_TASKS, PANEL_UNPLAYED, RETURN_MEAN, REVISIT_SHARE, ROLLOUT_S,
     SINGLETON_SHARE, STAY_SHARE, STEP_ADVANTAGE_STD, STEP_GROUP_SIZE_MAX, STEP_GROUP_SIZE_MEAN, STEP_SAMPLES,
     SUCCESS_RATE, TOKENS_PER_S, TRUNCATED_SHARE, TURN_BACK_SHARE,
@@ -75,7 +75,10 @@ KEY_METRICS = {
     EPISODE_LENGTH_MEAN: "mean episode length (environment steps)",
     TRUNCATED_SHARE: "share of episodes cut off (step limit or environment failure)",
     ENV_ERROR_SHARE: "share of episodes ended by an environment error",
-    INVALID_ACTION_RATE: "share of answers without a well-formed <action> block",
+    INVALID_ACTION_RATE: "share of answers that broke the answer format (not exactly one <action> block): each is "
+                         "charged invalid_action_penalty",
+    INVALID_MAPPED_RATE: "share of answers that broke the format yet named an admissible action, which the lenient "
+                         "parser took and the environment played (counted in the invalid share above)",
     GROUP_RETURN_STD: "mean over task groups of the standard deviation of their copies' returns",
     REVISIT_SHARE: "share of steps that go back to a state their episode had visited",
     STAY_SHARE: "share of steps that stay in the state they were taken in",
@@ -161,9 +164,16 @@ def _plot_outcomes(train: list[dict[str, Any]], evaluation: list[dict[str, Any]]
         (SUCCESS_RATE, "Success rate", "share of episodes won"),
         (RETURN_MEAN, "Mean episode return", "return (sum of rewards)"),
         (EPISODE_LENGTH_MEAN, "Mean episode length", "environment steps per episode"),
-        (INVALID_ACTION_RATE, "Invalid answers", "share of answers without <action>...</action>"),
+        (INVALID_ACTION_RATE, "Off-format answers",
+         "share of answers without <action>...</action>\n(thin lines: of all answers, those still played)"),
     )
-    return _metric_panels(train, evaluation, panels, {SUCCESS_RATE: SUCCESS_NOT_REPORTED}, shares=(0, 3))
+    figure = _metric_panels(train, evaluation, panels, {SUCCESS_RATE: SUCCESS_NOT_REPORTED}, shares=(0, 3))
+    mapped = figure.axes[3]  # the off-format answers the lenient parser mapped onto an admissible action
+    for records, style in ((train, "-"), (evaluation, "--")):
+        if records:
+            mapped.plot([r["step"] for r in records], [r["metrics"].get(INVALID_MAPPED_RATE, np.nan) for r in records],
+                        linestyle=style, linewidth=0.8, color="gray")
+    return figure
 
 
 def _plot_loops(train: list[dict[str, Any]], evaluation: list[dict[str, Any]]) -> Figure:
@@ -446,8 +456,9 @@ def _trajectory_viewer(records: list[dict[str, Any]], trajectories: dict[str, li
         return "<p>The run recorded no sample episodes.</p>"
     return "\n".join([
         "<p>Each rollout lists its sample episodes (the trainer records the first <code>log_trajectories</code> "
-        "episodes of every rollout); open an episode to see its steps in order. Rows of invalid answers are shaded; "
-        "the state after each step is numbered in the order the episode first visited it, and a step back to a "
+        "episodes of every rollout); open an episode to see its steps in order. Rows of off-format answers are shaded "
+        "(red: sent as written; yellow: the lenient parser found an admissible action in them, which the environment "
+        "played; both are charged <code>invalid_action_penalty</code>); the state after each step is numbered in the order the episode first visited it, and a step back to a "
         "visited state is marked (stay, turn back, or revisit); "
         "A = A_E + step_advantage_weight &times; A_S is the advantage of the loss.</p>",
         '<p><button type="button" onclick="setAll(true)">expand all</button> '
@@ -496,7 +507,8 @@ def _episode_details(episode: dict[str, Any]) -> str:
             ("state after", "the state the action led to, numbered in the order the episode first visited its states "
                             "(#0: the start); 'stay': the state the step was taken in; 'turn back': the state it came "
                             "from; 'revisit': visited earlier in the episode (docs/metrics.md)"),
-            ("valid", "the answer had a well-formed <action> block"),
+            ("valid", "the answer had a well-formed <action> block; 'no, played' where it broke the format but named "
+                      "an admissible action, which the lenient parser took"),
             ("reward", "r_t, received after the action"),
             ("step group", "how many step samples of the task group were taken in this state"),
             ("A_E", "episode advantage"),
@@ -505,16 +517,26 @@ def _episode_details(episode: dict[str, Any]) -> str:
         )
     )
     rows = [
-        f'<tr class="{"valid" if step["valid"] else "invalid"}{" revisit" if step.get("revisit") else ""}">'
+        f'<tr class="{_validity(step)[0]}{" revisit" if step.get("revisit") else ""}">'
         f'<td>{step["step"]}</td>'
         f'<td><pre>{_escape(step["observation"])}</pre></td><td><pre>{_escape(step["completion"])}</pre></td>'
-        f'<td><pre>{_escape(step["action"])}</pre></td><td>{_state_after(step)}</td><td>{"yes" if step["valid"] else "no"}</td>'
+        f'<td><pre>{_escape(step["action"])}</pre></td><td>{_state_after(step)}</td><td>{_validity(step)[1]}</td>'
         f'<td>{step["reward"]:.3f}</td><td>{step["step_group_size"]}</td><td>{step["episode_advantage"]:.3f}</td>'
         f'<td>{step["step_advantage"]:.3f}</td><td>{step["advantage"]:.3f}</td></tr>'
         for step in episode["steps"]
     ]
     table = f'<table class="steps"><tr>{header}</tr>\n' + "\n".join(rows) + "\n</table>"
     return f'<details class="episode"><summary>{summary}</summary>\n{table}\n</details>'
+
+
+def _validity(step: dict[str, Any]) -> tuple[str, str]:
+    """A step's row class and "valid" cell: well-formed; off-format but mapped onto an admissible action by the
+    lenient parser (and played); off-format and sent as written."""
+    if step["valid"]:
+        return "valid", "yes"
+    if step.get("action_match"):
+        return "mapped", f"no, played ({step['action_match']})"
+    return "invalid", "no"
 
 
 def _state_after(step: dict[str, Any]) -> str:
@@ -553,6 +575,7 @@ details.episode { margin-left: 1.5em; }
 summary { cursor: pointer; }
 pre { margin: 0; white-space: pre-wrap; word-break: break-word; max-height: 20em; overflow: auto; font-size: 0.85em; }
 tr.invalid { background: #fff3f3; }
+tr.mapped { background: #fffbea; }
 .unplayed, .health { border: 2px solid #c60; background: #fff6e8; padding: 0 1em; }
 tr.revisit td:nth-child(5) { background: #fff1c2; font-weight: bold; }
 .won { color: #17702a; font-weight: bold; }

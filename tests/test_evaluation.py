@@ -244,7 +244,8 @@ def test_the_command_evaluates_a_checkpoint_saved_by_training_on_two_panels_gree
     report = json.loads((tmp_path / "evaluation" / "evaluation.json").read_text())
     assert report["model"] == str(checkpoint) and report["evaluations"] == records
     printed = capsys.readouterr().out
-    assert f"dev (sampled, 2 tasks x 3): success {records[1]['metrics']['env/success_rate']:.1%}, pass@1" in printed
+    assert (f"dev (2 tasks from seed {dev_seeds[0]}, sampled x 3): success "
+            f"{records[1]['metrics']['env/success_rate']:.1%}, pass@1") in printed
     assert [r["panel"] for r in read_evaluations(tmp_path / "evaluation")] == [r["panel"] for r in records]
 
 
@@ -284,3 +285,33 @@ def test_the_command_says_when_the_checkpoint_folder_is_missing_or_holds_no_mode
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="holds neither a model .config.json. nor a PEFT adapter"):
         evaluate_command(command_line(tmp_path / "empty", tmp_path / "evaluation"))
+
+
+@pytest.mark.timeout(600)
+def test_the_command_plays_the_runs_own_panel_in_a_folder_of_its_own_and_leaves_the_runs_records_alone(
+        tmp_path, tiny_model_path, capsys):
+    checkpoint = trained_checkpoint(tmp_path, tiny_model_path)  # its records: tmp_path/run/gigpo
+    records_before = {path.name: path.read_text() for path in (checkpoint / "gigpo").glob("*.jsonl")}
+    config = tmp_path / "training.yaml"  # the training run's config: its held-out panel is 3 tasks of the test fold
+    config.write_text(f"output_dir: {checkpoint}\nenv_name: corridor\nnum_train_tasks: 4\nnum_eval_tasks: 3\n"
+                      "eval_fold: test\n")
+    arguments = [argument for argument in command_line(checkpoint, tmp_path, "--config", str(config))]
+    del arguments[arguments.index("--output_dir"):arguments.index("--output_dir") + 2]  # as the README's example
+
+    [record] = evaluate_command(arguments)
+
+    assert {path.name: path.read_text() for path in (checkpoint / "gigpo").glob("*.jsonl")} == records_before
+    assert not list((checkpoint / "gigpo").glob("set_aside-*"))
+    evaluation = checkpoint / "evaluation"
+    assert json.loads((evaluation / "evaluation.json").read_text())["evaluations"] == [record]
+    test_seeds = fold_seeds("corridor", "test", 3)
+    assert record["panel"] == "test" and record["tasks"] == sorted(f"seed {seed}" for seed in test_seeds)
+    printed = capsys.readouterr().out
+    assert f"test (3 tasks from seed {test_seeds[0]}, greedy x 1): success" in printed
+    assert f"Episodes and report: {evaluation}" in printed
+
+
+def test_the_command_refuses_to_write_among_a_training_runs_records(tmp_path, tiny_model_path):
+    checkpoint = trained_checkpoint(tmp_path, tiny_model_path)
+    with pytest.raises(ValueError, match=re.escape(f"{checkpoint} holds the records of a training run")):
+        evaluate_command(command_line(tiny_model_path, checkpoint))

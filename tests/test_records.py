@@ -99,6 +99,37 @@ def test_a_fresh_run_where_records_exist_sets_them_all_aside_and_says_so(tmp_pat
     assert len(set_aside_folders(tmp_path)) == 2
 
 
+def test_a_line_that_is_not_a_record_goes_aside_with_a_fresh_runs_records_and_stops_a_resume_naming_it(tmp_path):
+    record_a_run(tmp_path, steps=2)
+    iterations = tmp_path / RECORDS_DIR / "iterations.jsonl"
+    with open(iterations, "a") as file:  # a user's own line, or another version's format
+        file.write('{"marker": 1}\n')
+    written = iterations.read_text()
+
+    with pytest.raises(ValueError, match=r"iterations.jsonl, line 5, is not a GiGPO record .*'\{\"marker\": 1\}'"):
+        read_iterations(tmp_path)
+    with pytest.raises(ValueError, match=r"iterations.jsonl, line 5, is not a GiGPO record"):
+        open_records(tmp_path, resume_step=2)  # which records come before the checkpoint: not for a run to guess
+    assert iterations.read_text() == written  # nothing was rewritten or dropped
+
+    counts, message = open_records(tmp_path, resume_step=None)
+    (aside,) = set_aside_folders(tmp_path)
+    assert counts == {"train": 0, "eval": 0} and (aside / "iterations.jsonl").read_text() == written
+    assert read_iterations(tmp_path) == [] and "held the records of an earlier run" in message
+
+
+def test_a_resumed_run_drops_the_line_its_stopped_run_left_half_written(tmp_path):
+    record_a_run(tmp_path, steps=2)
+    updates = tmp_path / RECORDS_DIR / "updates.jsonl"
+    updates.write_text(updates.read_text() + '{"step": 3, "metr')  # stopped while writing
+
+    assert [r["step"] for r in read_updates(tmp_path)] == [1, 2]
+    open_records(tmp_path, resume_step=2)
+    assert updates.read_text().endswith("}\n")  # the next record starts a line of its own
+    write_update(tmp_path, 3, {"loss": 0.1})
+    assert [r["step"] for r in read_updates(tmp_path)] == [1, 2, 3]
+
+
 def test_a_run_in_an_empty_folder_has_nothing_to_set_aside(tmp_path):
     assert open_records(tmp_path, resume_step=None) == ({"train": 0, "eval": 0}, None)
     assert open_records(tmp_path, resume_step=4) == ({"train": 0, "eval": 0}, None)

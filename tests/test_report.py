@@ -101,10 +101,17 @@ def state_after(step: dict) -> str:
     return f"#{step['next_state']}{mark}"
 
 
+def validity(step: dict) -> str:
+    """Well-formed; off-format but mapped onto an admissible action by the lenient parser, which the game played; or
+    off-format and sent as written."""
+    if step["valid"]:
+        return "yes"
+    return f"no, played ({step['action_match']})" if step["action_match"] else "no"
+
+
 def expected_rows(episodes: list[dict]) -> list[tuple[str, ...]]:
     return [
-        (str(step["step"]), step["observation"], step["completion"], step["action"], state_after(step),
-         "yes" if step["valid"] else "no",
+        (str(step["step"]), step["observation"], step["completion"], step["action"], state_after(step), validity(step),
          f"{step['reward']:.3f}", str(step["step_group_size"]), f"{step['episode_advantage']:.3f}",
          f"{step['step_advantage']:.3f}", f"{step['advantage']:.3f}")
         for episode in episodes
