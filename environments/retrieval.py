@@ -192,11 +192,13 @@ class BM25Retriever:
         if not known:
             return []
         scores = self._bm25.get_scores(known)  # float [num passages]
-        k = min(k, len(scores))
-        # every passage that scores at least the k-th best, then by score and corpus order: ties at the edge included
-        threshold = np.partition(scores, len(scores) - k)[len(scores) - k]
-        candidates = np.flatnonzero((scores >= threshold) & (scores > 0))
-        best = candidates[np.lexsort((candidates, -scores[candidates]))][:k]
+        # the passages that share a token with the query (selecting among all of them, mostly equal zeros, is slow)
+        matched = np.flatnonzero(scores)
+        values = scores[matched]
+        if len(values) > k:  # those at least as good as the k-th best, ties at the edge included
+            keep = values >= np.partition(values, len(values) - k)[len(values) - k]
+            matched, values = matched[keep], values[keep]
+        best = matched[np.lexsort((matched, -values))][:k]  # by score, then corpus order
         return [Passage(self._ids[i], self._contents[i], float(scores[i])) for i in best]
 
 
