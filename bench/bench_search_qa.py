@@ -78,16 +78,16 @@ def step_groups(seed: int) -> None:
     env.reset(seed=seed)
     a_search, b_search, answer = env.walkthrough
     names = dict(zip(env.world.question.searches, "ab"))
-    scripts = {"A": _script([a_search, b_search, answer]), "B": _script([b_search, a_search, answer]),
-               "C": _script(["I will search for them.", a_search, b_search, answer]),
-               "D": memoryless_policy(0, env.world.cities, random.Random(seed))}
+    scripts = {"A": lambda: _script([a_search, b_search, answer]), "B": lambda: _script([b_search, a_search, answer]),
+               "C": lambda: _script(["I will search for them.", a_search, b_search, answer]),
+               "D": lambda: memoryless_policy(0, env.world.cities, random.Random(seed))}  # the same guess each time
     print(f"Task (seed {seed}): {env.world.question.text} (a, b); golden answers {env.world.question.golden_answers}")
     print("Copies: A the oracle; B the same searches in the other order; C an invalid action first; D memoryless, "
           "K = 0 (guesses a's birth place)")
     for anchor, threshold in (("retrieved", None), ("observation", 0.9)):
         rows = []  # copy, step, anchor, action, reward, the state in words
         for copy, policy in scripts.items():
-            played, won = play(SearchQAEnv(families=["collect"], anchor=anchor), seed, policy)
+            played, won = play(SearchQAEnv(families=["collect"], anchor=anchor), seed, policy())
             searched: list[str] = []
             for t, (key, action) in enumerate(played):
                 rows.append((copy, t, key, action, float(won) if t == len(played) - 1 else 0.0,

@@ -312,3 +312,18 @@ def test_the_tool_class_plays_the_text_environment_s_tasks_and_ends_after_an_ans
     assert limited.done and not limited.won and limited.get_reward() == 0.0
     with pytest.raises(ValueError, match="needs a `seed` column"):
         limited.reset(prompt=[])
+
+
+def test_the_bench_prints_the_history_gap_and_one_task_group_s_step_groups(capsys):
+    from bench.bench_search_qa import main
+
+    main(["--ceilings", "--tasks", "5"])
+    rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if "%" in line]
+    assert [row[0] for row in rows] == ["| lookup", "| chain (2-3 hops)", "| collect, 2 people", "| collect, 3 people",
+                                        "| compare"]
+    assert all(row[1] == "100.0%" for row in rows)  # the oracle
+
+    main(["--step-groups"])
+    retrieved = capsys.readouterr().out.split("anchor='observation'")[0]
+    answers = [line.split(" | ")[:2] for line in retrieved.splitlines() if "<answer>" in line]
+    assert sorted(step for _, step in answers) == ["A2", "B2", "C3", "D2"] and len({g for g, _ in answers}) == 1
