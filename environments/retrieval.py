@@ -278,11 +278,11 @@ class HTTPRetriever:
                 if exc.code < 500 or attempt == self.attempts:
                     raise RetrieverError(f"the retrieval server {self.url} answered HTTP {exc.code}: "
                                          f"{_excerpt(exc.read())}") from None
-            except TimeoutError:
-                raise RetrieverError(f"the retrieval server {self.url} did not answer within {self.timeout:g} s") from None
-            except (urllib.error.URLError, ConnectionError) as exc:
+            except OSError as exc:  # urllib's URLError (connection refused, reset, ...) and timeouts
+                reason = getattr(exc, "reason", exc)
+                if isinstance(reason, TimeoutError):  # a server that hangs would hang every attempt
+                    raise RetrieverError(f"the retrieval server {self.url} did not answer within {self.timeout:g} s") from None
                 if attempt == self.attempts:
-                    reason = getattr(exc, "reason", exc)
                     raise RetrieverError(f"cannot reach the retrieval server {self.url} ({reason}; {self.attempts} "
                                          "attempts): is it running?") from None
             time.sleep(self.backoff * 2 ** (attempt - 1))
