@@ -3,6 +3,7 @@ what retrieval costs, in one script.
 
     python bench/bench_search_qa.py --ceilings       # oracle vs the best memoryless policy, per family and window K
     python bench/bench_search_qa.py --step-groups    # one task group's step groups under both anchors
+    python bench/bench_search_qa.py --format-probe   # SmolLM2-135M's first answers: the format as chat turns or inline
     python bench/bench_search_qa.py                  # retrieval: per query, one rollout turn of a pool, a worker's memory
 
 `--ceilings`: the success of `oracle_policy` and of `memoryless_policy(K)` for K = 0, 1, 2, 3 on `--tasks` tasks of
@@ -12,6 +13,10 @@ each family (collect with 2 and 3 people), the default world otherwise.
 an invalid action first; the memoryless policy with K = 0), their steps grouped as GiGPO groups them under
 `anchor="retrieved"` (exact) and `anchor="observation"` (`similarity_threshold=0.9`), with each step's step advantage
 (gamma 0.95, mean-std normalisation).
+
+`--format-probe`: the first answers of the embedded SmolLM2-135M-Instruct to `--tasks` tasks (sampled at temperature
+1), in the format or not, with the default template's worked example as earlier chat turns and the same example written
+inline in the instruction.
 
 The retrieval bench (no flag): BM25 per query in process over generated worlds of about 10k and 100k passages; one
 rollout turn of `--envs` live episodes (one task each) searching through an `EnvPool` against the 100k corpus in
@@ -24,6 +29,7 @@ an HTTP client.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -40,12 +46,15 @@ from pathlib import Path
 import psutil
 
 from gigpo_trl.advantages import anchor_step_groups, compute_gigpo_advantages
+from gigpo_trl.dialogue import TextDialogue
 from gigpo_trl.env_pool import EnvPool
+from gigpo_trl.envs import EnvOutput
 from gigpo_trl.environments.retrieval import BM25Retriever, HTTPRetriever, read_corpus
 from gigpo_trl.environments.search_qa import (
-    SearchQAEnv, World, WorldSettings, generate_world, memoryless_policy, oracle_policy, play,
+    PROMPT_TEMPLATE, SearchQAEnv, World, WorldSettings, generate_world, memoryless_policy, oracle_policy, play,
 )
 from gigpo_trl.fork_server import ForkServer
+from gigpo_trl.parsing import parse_action
 from gigpo_trl.paths import CACHE_ENV_VAR
 from gigpo_trl.tasks import Task
 
@@ -120,6 +129,41 @@ def _state(anchor: str, searched: Sequence[str], last_action: str | None, names:
         return "the question"
     query = re.fullmatch(r"<search>(.*)</search>", last_action)
     return f"results of {names[query.group(1)]}" if query else "the invalid-action message"
+
+
+def format_probe(tasks: int, tokens: int) -> None:
+    """How often the embedded SmolLM2-135M-Instruct's first answer follows the format, with the template's worked
+    example as earlier chat turns and with the same example written inline in the instruction."""
+    import torch  # noqa: PLC0415 (only this mode loads a model)
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
+
+    from gigpo_trl.models import EMBEDDED_MODEL, resolve_model  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    path = resolve_model(EMBEDDED_MODEL)
+    tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(path)
+    inline = dataclasses.replace(PROMPT_TEMPLATE, examples=(),
+                                 instruction=f"{PROMPT_TEMPLATE.instruction} For example: <search>Ysolde Quaine</search>")
+    env = SearchQAEnv()
+    print(f"First answers of {EMBEDDED_MODEL} to {tasks} tasks (sampled, temperature 1, {tokens} tokens at most)\n")
+    print("| the format shown | in the format | searches | answers |")
+    print("|---|---|---|---|")
+    for name, template in (("a worked example as earlier chat turns (the default)", PROMPT_TEMPLATE),
+                           ("the same example inline in the instruction", inline)):
+        prompts = []
+        for seed in range(tasks):
+            observation, info = env.reset(seed=seed)
+            start = EnvOutput(observation, info=info)
+            messages = TextDialogue(template).prompt(start, start, [], 0)
+            prompts.append(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+        inputs = tokenizer(prompts, return_tensors="pt", padding=True)
+        generated = model.generate(**inputs, max_new_tokens=tokens, do_sample=True, temperature=1.0, top_p=1.0,
+                                   pad_token_id=tokenizer.pad_token_id)
+        answers = tokenizer.batch_decode(generated[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+        parsed = [parse_action(answer, None, PROMPT_TEMPLATE.action_tags) for answer in answers]
+        kinds = [p.action[1:7] for p in parsed if p.valid]
+        print(f"| {name} | {len(kinds)} of {tasks} | {kinds.count('search')} | {kinds.count('answer')} |")
 
 
 def world_of(passages: int, seed: int = 0) -> World:
@@ -221,16 +265,21 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ceilings", action="store_true", help="oracle vs memoryless success per family and window")
     parser.add_argument("--step-groups", action="store_true", help="one task group's step groups under both anchors")
-    parser.add_argument("--tasks", type=int, default=300, help="tasks a family (--ceilings)")
+    parser.add_argument("--format-probe", action="store_true", help="how often SmolLM2-135M's first answer follows the "
+                        "format, the example as chat turns or inline (loads the model: minutes on CPU)")
+    parser.add_argument("--tasks", type=int, default=None,
+                        help="tasks a family (--ceilings, default 300), or tasks (--format-probe, default 32)")
     parser.add_argument("--seed", type=int, default=1, help="the task (--step-groups)")
     parser.add_argument("--envs", type=int, default=64, help="live episodes of the pool's turn")
     parser.add_argument("--memory-workers", type=int, default=8, help="workers whose memory is measured, an arm")
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats of a turn or a batch")
     options = parser.parse_args(argv)
     if options.ceilings:
-        ceilings(options.tasks)
+        ceilings(options.tasks or 300)
     elif options.step_groups:
         step_groups(options.seed)
+    elif options.format_probe:
+        format_probe(options.tasks or 32, 40)
     else:
         retrieval(options.envs, options.memory_workers, options.repeats)
 
