@@ -143,12 +143,14 @@ _REGISTRY: dict[str, EnvFactory | str] = {
     "openenv": "gigpo_trl.environments.openenv_adapter:OpenEnvAdapter",
     "alfworld": "gigpo_trl.environments.alfworld_games:AlfWorldEnv",
     "scienceworld": "gigpo_trl.environments.scienceworld_games:ScienceWorldEnv",
+    "search_qa": "gigpo_trl.environments.search_qa:SearchQAEnv",
 }
 # Name -> the environment's default wording of step prompts (a `gigpo_trl.prompts.PromptTemplate`), or
 # "module:attribute" of one imported on first use; a name without one gets the generic template.
 _PROMPT_TEMPLATES: dict[str, Any] = {
     "sokoban": "gigpo_trl.environments.sokoban:PROMPT_TEMPLATE",
     "visual_sokoban": "gigpo_trl.environments.visual_sokoban:PROMPT_TEMPLATE",
+    "search_qa": "gigpo_trl.environments.search_qa:PROMPT_TEMPLATE",
 }
 
 

@@ -4,10 +4,16 @@ Validity is about FORMAT only (docs/algorithm.md, "The invalid-answer penalty"):
 exactly one non-empty `<action>...</action>` block; a well-formed but useless action is valid. Independently,
 the action text is mapped leniently onto the admissible actions, so that an untrained model that
 names a command in its own words still moves the environment.
+
+An environment whose actions come in several kinds names one tag per kind (a prompt template's `action_tags`, e.g.
+`("search", "answer")` for search QA): an answer is then valid when it holds exactly one non-empty block among all
+the tags, and the action is that block written out with its tag (`<search>query</search>`), which tells the
+environment the kind.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -15,7 +21,8 @@ from dataclasses import dataclass
 # Longest action text sent to an environment (and shown in later prompts' history). Real commands are
 # short ("take red apple from fridge"); the bound keeps a rambling answer from inflating every later prompt.
 MAX_ACTION_CHARS = 100
-ACTION_BLOCK = re.compile(r"<action>(.*?)</action>", re.IGNORECASE | re.DOTALL)
+DEFAULT_ACTION_TAGS = ("action",)
+ACTION_TAG = re.compile(r"[A-Za-z][\w-]*")
 THINK_BLOCK = re.compile(r"<think>.*?(</think>|$)", re.IGNORECASE | re.DOTALL)
 NUMBER = re.compile(r"^\(?#?(\d+)[.):]?$")
 
@@ -31,20 +38,35 @@ class ParsedAction:
     match: str | None = None
 
 
-def parse_action(text: str, admissible_actions: Sequence[str] | None = None) -> ParsedAction:
+def parse_action(text: str, admissible_actions: Sequence[str] | None = None,
+                 tags: Sequence[str] = DEFAULT_ACTION_TAGS) -> ParsedAction:
     """Parse a model answer.
 
-    The candidate is the content of the `<action>` block when there is one (the last one if several),
-    else the answer without its `<think>` block. It is mapped onto `admissible_actions` by the first
+    With one tag (`<action>` by default): the candidate is the content of its block when there is one (the last one
+    if several), else the answer without its `<think>` block. It is mapped onto `admissible_actions` by the first
     rule that applies: an exact match; a match ignoring case and repeated spaces; a number `k`
     naming the k-th action of the numbered list (1-based); the one admissible action contained in
     the text (as whole words, an action listed twice counting once; when several are, the one containing all the
     others).
     Unmapped candidates are sent as they are (first line, stripped, at most `MAX_ACTION_CHARS` characters).
+
+    With several tags (one per kind of action): valid when the answer holds exactly one non-empty block among all of
+    them; the action is then that block written out with its tag, its text on one line and at most
+    `MAX_ACTION_CHARS` characters long (`<search>query</search>`). An invalid answer is sent without its `<think>`
+    block, on one line, at most `MAX_ACTION_CHARS` characters long, so the environment applies its own rule to it.
+    No mapping onto admissible actions: the tag, not a list, says what the action is.
+
+    Raises:
+        ValueError: `tags` is empty or holds a name that is not a tag name (a letter, then letters, digits, `_`, `-`).
     """
-    blocks = ACTION_BLOCK.findall(text)
-    valid = len(blocks) == 1 and bool(blocks[0].strip())
-    candidate = (blocks[-1] if blocks else THINK_BLOCK.sub(" ", text)).strip()
+    blocks = _blocks(text, tuple(tags))
+    valid = len(blocks) == 1 and bool(blocks[0][1].strip())
+    if len(tags) > 1:
+        if valid:
+            tag, content = blocks[0]
+            return ParsedAction(f"<{tag}>{_one_line(content)}</{tag}>", True)
+        return ParsedAction(_one_line(THINK_BLOCK.sub(" ", text)), False)
+    candidate = (blocks[-1][1] if blocks else THINK_BLOCK.sub(" ", text)).strip()
     for rule, action in _mapping_rules(candidate, admissible_actions or []):
         if action is not None:
             return ParsedAction(action, valid, rule)
@@ -73,3 +95,22 @@ def _mapping_rules(candidate: str, admissible: Sequence[str]):
 
 def _normalize(text: str) -> str:
     return " ".join(text.lower().split())
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())[:MAX_ACTION_CHARS].rstrip()
+
+
+@functools.lru_cache(maxsize=16)
+def _block_pattern(tags: tuple[str, ...]) -> re.Pattern[str]:
+    if not tags or not all(isinstance(tag, str) and ACTION_TAG.fullmatch(tag) for tag in tags):
+        raise ValueError(f"action tags must be a non-empty list of tag names (a letter, then letters, digits, '_' or "
+                         f"'-'), got {tags!r}")
+    names = "|".join(map(re.escape, tags))
+    return re.compile(rf"<({names})>(.*?)</\1>", re.IGNORECASE | re.DOTALL)
+
+
+def _blocks(text: str, tags: tuple[str, ...]) -> list[tuple[str, str]]:
+    """The (tag, content) blocks of `text` whose tag is one of `tags`, in order; a tag keeps its spelling in `tags`."""
+    by_name = {tag.lower(): tag for tag in tags}
+    return [(by_name[tag.lower()], content) for tag, content in _block_pattern(tags).findall(text)]

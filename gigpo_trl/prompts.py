@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from gigpo_trl.envs import env_prompt_template, prompt_template_envs
+from gigpo_trl.parsing import DEFAULT_ACTION_TAGS
 
 T = TypeVar("T")
 
@@ -26,7 +27,9 @@ class PromptTemplate:
     ({step}, {observation}, {action}), `current` ({step}, {observation}), `action_line` ({number},
     {action}), `instruction` (no placeholders), `examples`: (user text, assistant answer) pairs shown
     before the step as a demonstration of the answer format (small models follow a format they were
-    shown far more often than one they were told). Headers are plain text.
+    shown far more often than one they were told). Headers are plain text. `action_tags`: the tags an
+    answer puts its action in (no template: `gigpo_trl.parsing.parse_action` reads them), one per kind of
+    action, e.g. `("search", "answer")`.
     """
 
     system: str = (
@@ -43,6 +46,7 @@ class PromptTemplate:
         "<action> </action>, e.g. <action>look</action>. You may also answer with the number of an admissible action."
     )
     examples: tuple[tuple[str, str], ...] = ()
+    action_tags: tuple[str, ...] = DEFAULT_ACTION_TAGS
 
 
 _NUMBERED_INSTRUCTION = "Answer with <action>N</action>, where N is the number of one admissible action."
@@ -95,7 +99,8 @@ def template_for(env_name: str | None) -> PromptTemplate:
 
 def load_template(name_or_path: str) -> PromptTemplate:
     """A template by name (`TEMPLATES`, or an environment's name for its registered template) or from a JSON file of
-    `PromptTemplate` fields (the others keep their defaults; `examples` is a list of [user, assistant] pairs)."""
+    `PromptTemplate` fields (the others keep their defaults; `examples` is a list of [user, assistant] pairs,
+    `action_tags` a list of tag names)."""
     if name_or_path in TEMPLATES:
         return TEMPLATES[name_or_path]
     if name_or_path in prompt_template_envs():
@@ -110,6 +115,8 @@ def load_template(name_or_path: str) -> PromptTemplate:
         raise ValueError(f"{path}: unknown prompt template fields {sorted(unknown)}")
     if "examples" in values:
         values["examples"] = tuple((str(user), str(answer)) for user, answer in values["examples"])
+    if "action_tags" in values:
+        values["action_tags"] = tuple(values["action_tags"])
     return PromptTemplate(**values)
 
 

@@ -31,6 +31,7 @@ def openenv_corridor() -> dict[str, Any]:
 CASES: dict[str, tuple[Any, str | None]] = {
     "compass": ({}, None),
     "rooms": ({}, None),
+    "search_qa": ({}, None),
     "sokoban": ({}, None),
     "visual_sokoban": ({"tile_size": 6}, None),
     "textworld": ({"challenge": "treasure_hunter", "level": 1}, None),

@@ -123,3 +123,35 @@ def test_parse_action_without_admissible_actions_sends_the_text():
 
 def test_a_rambling_answer_is_cut_to_a_bounded_action():
     assert parse_action("word " * 500, ACTIONS).action == ("word " * 20).strip()  # 100 characters
+
+
+SEARCH_TAGS = ("search", "answer")
+
+
+@pytest.mark.parametrize(
+    ("answer", "action", "valid"),
+    [
+        ("<think>who?</think><search>Ada Vole</search>", "<search>Ada Vole</search>", True),
+        ("<SEARCH>  Ada\n  Vole </Search> and then more", "<search>Ada Vole</search>", True),  # one line, tag as named
+        ("<answer>Rome</answer>", "<answer>Rome</answer>", True),
+        ("<search>Ada</search><answer>Rome</answer>", "<search>Ada</search><answer>Rome</answer>", False),  # 2 kinds
+        ("<search>Ada</search>\n<search>Bo</search>", "<search>Ada</search> <search>Bo</search>", False),  # twice
+        ("<search> </search>", "<search> </search>", False),  # empty
+        ("<think>hmm</think>I would look up Ada.", "I would look up Ada.", False),  # no tag
+        ("<search>Ada</answer>", "<search>Ada</answer>", False),  # tags that do not pair make no block
+        ("<action>Ada</action>", "<action>Ada</action>", False),  # a tag not named
+    ],
+)
+def test_with_several_tags_exactly_one_non_empty_block_is_valid_and_sent_written_out(answer, action, valid):
+    assert parse_action(answer, ["Ada"], SEARCH_TAGS) == ParsedAction(action, valid)
+
+
+def test_with_several_tags_what_is_sent_is_bounded_and_a_bad_tag_list_is_refused(tmp_path):
+    assert parse_action(f"<search>{'Ada ' * 60}</search>", None, SEARCH_TAGS).action == f"<search>{'Ada ' * 24}Ada</search>"
+    assert len(parse_action("<answer>" + "word " * 50, None, SEARCH_TAGS).action) == 100
+    for tags in [(), ("search", "an swer"), ("<search>",)]:
+        with pytest.raises(ValueError, match="action tags must be a non-empty list of tag names"):
+            parse_action("<search>Ada</search>", None, tags)
+    path = tmp_path / "template.json"
+    path.write_text('{"action_tags": ["search", "answer"]}')
+    assert load_template(str(path)).action_tags == SEARCH_TAGS and PromptTemplate().action_tags == ("action",)
