@@ -188,4 +188,5 @@ class TextDialogue:
         return None
 
     def read(self, completion: Completion, start: EnvOutput, current: EnvOutput) -> ParsedAction:
-        return parse_action(completion.text, current.info.get(INFO_ADMISSIBLE_ACTIONS), (self.template or PromptTemplate()).action_tags)
+        tags = (self.template or PromptTemplate()).action_tags
+        return parse_action(completion.text, current.info.get(INFO_ADMISSIBLE_ACTIONS), tags)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from datasets import Dataset
 from http_servers import scripted_server
-from scripted_policy import ScriptedToolTrainer, tool_call
+from scripted_policy import scripted_tool_trainer, tool_call
 from trainer_helpers import cpu_config, logged_metrics
 from trl import GRPOConfig, GRPOTrainer
 
@@ -261,12 +261,10 @@ def tool_oracle(messages: list[dict], position: int) -> str:
 
 
 def test_the_tool_class_trains_under_gigpo_with_step_groups_on_what_was_retrieved(tmp_path, tool_model_path):
-    class OracleTrainer(ScriptedToolTrainer):
-        answer = staticmethod(tool_oracle)
-
     config = cpu_config(tmp_path, max_completion_length=8, max_env_steps=5, max_steps=1, history_length=8,
                         steps_per_generation=1, gradient_accumulation_steps=1)
-    trainer = OracleTrainer(tool_model_path, args=config, train_dataset=rows(4), environment_factory=SearchQAToolEnv)
+    trainer = scripted_tool_trainer(tool_model_path, answer=tool_oracle, args=config, train_dataset=rows(4),
+                                    environment_factory=SearchQAToolEnv)
     trainer.train()
 
     rollout, steps = trainer.last_rollout, trainer.last_rollout.steps
