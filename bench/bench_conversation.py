@@ -24,6 +24,10 @@ cost; answers in the rollout are forced to their length). Per T:
    the prompt tokens forwarded and the generation seconds.
 3. With `--first-turn TASKS COPIES`, instead: one turn of windowed prompts (shared instructions, each task's copies
    alike, as a GiGPO rollout's first turn), generated both ways: the CPU seconds and the prompt tokens forwarded.
+4. With `--turn-tokens CONFIG ...`, instead: the tokens of each later turn of a conversation in each recipe config's
+   environment, template and tokenizer (an episode played by its walkthrough, or its first admissible action), written
+   as conversation mode writes it (the observation, and the admissible actions where they changed) and as it wrote it
+   before (the first turn's whole wording again: task aside, the actions list and the answer format).
 Writes OUTPUT/bench_conversation.json.
 """
 
@@ -275,6 +279,47 @@ def bench_first_turn(model, tasks: int, copies: int, shape: tuple[int, int, int]
             "cpu_s": {name: min(runs) for name, runs in seconds.items()}, "cpu_s_runs": seconds}
 
 
+def turn_tokens(config_path: Path, episodes: int = 4, steps: int = 5) -> dict:
+    """Tokens of the later turns of conversations in a recipe config's environment (module docstring, 4): per turn,
+    as `TextDialogue.turn` writes it, and with the first turn's whole wording (`build_messages` without history) as
+    conversation mode wrote it before."""
+    import yaml
+    from transformers import AutoTokenizer
+
+    from gigpo_trl.conversation import ChatTurns
+    from gigpo_trl.dialogue import Exchange, TextDialogue
+    from gigpo_trl.envs import INFO_ADMISSIBLE_ACTIONS, EnvOutput, make_env
+    from gigpo_trl.models import resolve_model
+    from gigpo_trl.parsing import ParsedAction
+    from gigpo_trl.prompts import build_messages, load_template, template_for
+
+    config = yaml.safe_load(config_path.read_text())
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(config["model_name_or_path"]))
+    turns = ChatTurns(lambda messages, prompt: list(tokenizer.apply_chat_template(
+        messages, add_generation_prompt=prompt, tokenize=True, return_dict=False)), {tokenizer.eos_token_id})
+    template = load_template(config["prompt_template"]) if config.get("prompt_template") else template_for(config["env_name"])
+    dialogue, env = TextDialogue(template, None), make_env(config["env_name"], **config.get("env_kwargs", {}))
+    new, old = [], []
+    for seed in range(episodes):
+        observation, info = env.reset(seed=seed)
+        state = EnvOutput(observation, info=info)
+        walkthrough = list(getattr(env, "walkthrough", None) or [])
+        for step in range(1, steps + 1):
+            action = walkthrough[step - 1] if step <= len(walkthrough) else state.info[INFO_ADMISSIBLE_ACTIONS][0]
+            observation, reward, terminated, truncated, info = env.step(action)
+            result = EnvOutput(observation, reward, terminated, truncated, info)
+            new.append(len(turns.turn_ids(dialogue.turn(Exchange(state, ParsedAction(action, True), result, None), step))[1]))
+            whole = build_messages(observation, step=step, admissible_actions=info.get(INFO_ADMISSIBLE_ACTIONS),
+                                   history_length=0, template=template)[-1:]
+            old.append(len(turns.turn_ids(whole)[1]))
+            if result.done:
+                break
+            state = result
+    env.close()
+    return {"config": str(config_path), "turns": len(new), "tokens_per_turn_before": sum(old) / len(old),
+            "tokens_per_turn_now": sum(new) / len(new)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, nargs="+", default=[5, 10, 20, 50], help="the conversations' lengths T")
@@ -293,8 +338,15 @@ def main() -> None:
                         help="instead: one turn of windowed prompts, TASKS x COPIES (each task's copies alike) of the "
                         "shape's instructions and an observation-sized task, generated with and without the prefix "
                         "cache (e.g. the quickstart's first turn: --first-turn 4 4 --shape 300 80 12 --layers 30)")
+    parser.add_argument("--turn-tokens", type=Path, nargs="+", default=None, metavar="CONFIG",
+                        help="instead: the tokens of each later turn of a conversation in these recipe configs' "
+                        "environments (module docstring, 4)")
     parser.add_argument("--output", type=Path, default=ROOT / "outputs" / "bench_conversation")
     args = parser.parse_args()
+    if args.turn_tokens:
+        for config in args.turn_tokens:
+            print(json.dumps(turn_tokens(config)), flush=True)
+        return
 
     import torch
 

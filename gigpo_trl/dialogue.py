@@ -22,7 +22,7 @@ from typing import Any, Protocol
 from gigpo_trl.envs import INFO_ADMISSIBLE_ACTIONS, INFO_TASK, EnvOutput
 from gigpo_trl.observations import content_blocks
 from gigpo_trl.parsing import ParsedAction, parse_action
-from gigpo_trl.prompts import PromptTemplate, build_messages, history_window
+from gigpo_trl.prompts import PromptTemplate, build_messages, continued_turn, history_window
 
 Messages = list[dict[str, Any]]
 Tools = list[dict[str, Any]]  # JSON schemas of the tools a prompt offers, as `apply_chat_template(tools=...)` takes them
@@ -148,7 +148,9 @@ class TextDialogue:
     """Text environments: `build_messages` prompts (task, the last `history_length` (observation, action) pairs, the
     observation, the admissible actions, the answer format) and answers read by `parse_action`; no tools. In
     conversation mode (`history_length` None) the first prompt is `build_messages`'s without history, each answer is
-    shown as the assistant's message and each later observation as a user message of the same wording (no task).
+    shown as the assistant's message and each later observation as a user message that carries what is new
+    (`continued_turn`): the observation, and the admissible actions only where they changed; the task, the answer format
+    and the demonstration stay in the first turn.
 
     Observations with images (`gigpo_trl.observations`): the step's user message is content blocks, each image where
     the template shows its observation (the history's shown observations, then the current one)."""
@@ -179,10 +181,10 @@ class TextDialogue:
     def turn(self, past: Exchange, step: int) -> Messages:
         if past.result.images:
             raise ValueError(NO_IMAGES_IN_CONVERSATIONS)
-        current = build_messages(past.result.observation, step=step,
-                                 admissible_actions=past.result.info.get(INFO_ADMISSIBLE_ACTIONS), history_length=0,
-                                 template=self.template)
-        return current[-1:]
+        actions = past.result.info.get(INFO_ADMISSIBLE_ACTIONS)
+        changed = None if actions == past.state.info.get(INFO_ADMISSIBLE_ACTIONS) else actions
+        return [{"role": "user", "content": continued_turn(past.result.observation, step=step,
+                                                           admissible_actions=changed, template=self.template)}]
 
     def tools(self, start: EnvOutput) -> None:
         return None

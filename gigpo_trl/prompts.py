@@ -167,11 +167,28 @@ def build_messages(
         sections.append("\n".join([template.history_header, *steps]))
     sections.append(template.current.format(step=step, observation=observation))
     if admissible_actions:
-        lines = [template.action_line.format(number=k, action=a) for k, a in enumerate(admissible_actions, start=1)]
-        sections.append("\n".join([template.actions_header, *lines]))
+        sections.append(_actions_section(admissible_actions, template))
     sections.append(template.instruction)
     demonstration = []
     for example_user, example_answer in template.examples:
         demonstration += [{"role": "user", "content": example_user}, {"role": "assistant", "content": example_answer}]
     system = [{"role": "system", "content": template.system}] if template.system else []
     return [*system, *demonstration, {"role": "user", "content": "\n\n".join(sections)}]
+
+
+def continued_turn(observation: str, *, step: int, admissible_actions: Sequence[str] | None = None,
+                   template: PromptTemplate | None = None) -> str:
+    """The user message of a conversation's later turn (conversation mode): the observation in the template's wording,
+    and the admissible actions where they are given (the caller gives them only where they changed since the turn
+    before). The task, the answer format and the demonstration were in the conversation's first turn."""
+    template = template or PromptTemplate()
+    sections = [template.current.format(step=step, observation=observation)]
+    if admissible_actions:
+        sections.append(_actions_section(admissible_actions, template))
+    return "\n\n".join(sections)
+
+
+def _actions_section(admissible_actions: Sequence[str], template: PromptTemplate) -> str:
+    """The admissible actions as a numbered list (numbers start at 1, as `parse_action` expects)."""
+    lines = [template.action_line.format(number=k, action=a) for k, a in enumerate(admissible_actions, start=1)]
+    return "\n".join([template.actions_header, *lines])

@@ -245,11 +245,11 @@ def _corridor_dropping_exchanges(tmp_path, tiny_model_path, *, context: int, max
 
 def test_a_conversation_that_outgrows_the_context_drops_its_oldest_exchanges_and_goes_on_token_for_token(
         tmp_path, tiny_model_path):
-    # corridor's conversation grows by about 135 tokens a turn from a first prompt of 180 (answers cut at 6 tokens): a
-    # context of 606 leaves prompts 600 tokens and holds 4 of them; the 5th does not fit and drops the fewest oldest
-    # exchanges that bring its rendering to the target of 450 (0.75 of the room), the turns after it extend that one
-    # until the next does not fit
-    trainer = _corridor_dropping_exchanges(tmp_path, tiny_model_path, context=606, max_env_steps=8)
+    # corridor's conversation grows by 57 tokens a turn from a first prompt of 180 (answers cut at 6 tokens, a later
+    # turn the observation alone): a context of 406 leaves prompts 400 tokens and holds 4 of them; the 5th does not fit
+    # and drops the fewest oldest exchanges that bring its rendering to the target of 300 (0.75 of the room), the turns
+    # after it extend that one until the next does not fit
+    trainer = _corridor_dropping_exchanges(tmp_path, tiny_model_path, context=406, max_env_steps=8)
     tokenizer = trainer.processing_class
     generated = prompts_generated_from(trainer)
     trainer.train()
@@ -258,7 +258,7 @@ def test_a_conversation_that_outgrows_the_context_drops_its_oldest_exchanges_and
     def rendered(messages):
         return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
 
-    assert trainer.turns.prompt_token_limit == 600 and max(map(len, generated)) <= 600
+    assert trainer.turns.prompt_token_limit == 400 and max(map(len, generated)) <= 400
     rollout = trainer.last_rollout
     assert all(episode.length == 8 and episode.context_overflow is None for episode in rollout.episodes)
     steps = rollout.steps
@@ -275,10 +275,10 @@ def test_a_conversation_that_outgrows_the_context_drops_its_oldest_exchanges_and
             continued = trainer.turns.render.chat_turns.prompt_ids(ContinuedPrompt(previous, shown[latest + 1:], whole))
             if after in trimmed:  # it did not fit: the fewest oldest exchanges dropped to reach the target, rendered once
                 dropped = now.dropped_exchanges
-                assert len(continued) > 600
+                assert len(continued) > 400
                 assert shown == without_oldest_exchanges(whole, dropped)
-                assert now.prompt_ids == rendered(shown) and len(now.prompt_ids) <= 450
-                assert dropped == 1 or len(rendered(without_oldest_exchanges(whole, dropped - 1))) > 450
+                assert now.prompt_ids == rendered(shown) and len(now.prompt_ids) <= 300
+                assert dropped == 1 or len(rendered(without_oldest_exchanges(whole, dropped - 1))) > 300
             else:  # it fits: the previous prompt and answer extended token for token
                 assert shown == whole and now.prompt_ids == continued
     log = next(entry for entry in trainer.state.log_history if "env/context_trimmed_share" in entry)
@@ -288,9 +288,9 @@ def test_a_conversation_that_outgrows_the_context_drops_its_oldest_exchanges_and
 
 def test_a_conversation_whose_first_messages_and_latest_exchange_do_not_fit_still_ends_truncated(
         tmp_path, tiny_model_path):
-    # a room of 300 tokens holds corridor's first prompt (180) but not it with one exchange (about 315): nothing can
-    # be dropped, so the episode ends at step 1 as under 'truncate', its reason recorded
-    trainer = _corridor_dropping_exchanges(tmp_path, tiny_model_path, context=306, max_env_steps=4)
+    # a room of 200 tokens holds corridor's first prompt (180) but not it with one exchange (237): nothing can be
+    # dropped, so the episode ends at step 1 as under 'truncate', its reason recorded
+    trainer = _corridor_dropping_exchanges(tmp_path, tiny_model_path, context=206, max_env_steps=4)
     with pytest.warns(UserWarning, match="env/context_overflow_share"):
         trainer.train()
     trainer.close_environments()
@@ -306,3 +306,25 @@ def test_dropping_exchanges_is_refused_for_a_window_and_an_unknown_mode_by_name(
         GiGPOTrainer(tiny_model_path, args=config, train_dataset=task_dataset(range(4)))
     with pytest.raises(ValueError, match="context_overflow='shrink' is not one of"):
         cpu_config(tmp_path, context_overflow="shrink")
+
+
+def test_a_later_turn_of_a_conversation_carries_what_is_new_not_the_first_turns_instructions_again():
+    from gigpo_trl.dialogue import Exchange, TextDialogue
+    from gigpo_trl.envs import EnvOutput
+    from gigpo_trl.parsing import ParsedAction
+    from gigpo_trl.prompts import TEMPLATES
+
+    template = TEMPLATES["numbered_one_shot"]
+    dialogue = TextDialogue(template, history_length=None)
+    hall = EnvOutput("A hall.", info={"task": "Leave.", "admissible_actions": ["go north", "look"]})
+    corridor = EnvOutput("A corridor.", info={"admissible_actions": ["go north", "look"]})
+    garden = EnvOutput("A garden.", info={"admissible_actions": ["go south", "open gate"]})
+
+    first = dialogue.prompt(hall, hall, [], 0)[-1]["content"]
+    same_actions = dialogue.turn(Exchange(hall, ParsedAction("go north", True), corridor, None), 1)
+    new_actions = dialogue.turn(Exchange(corridor, ParsedAction("go north", True), garden, None), 2)
+
+    assert template.instruction in first and "Leave." in first and "1. go north" in first
+    assert same_actions == [{"role": "user", "content": "Current observation (step 1):\nA corridor."}]
+    assert new_actions == [{"role": "user", "content": "Current observation (step 2):\nA garden.\n\n"
+                                                       "Admissible actions:\n1. go south\n2. open gate"}]
