@@ -190,6 +190,7 @@ def screen(config: Path, model: str, eval_tasks: int, sampled_tasks: int, copies
     from trl import ModelConfig, TrlParser
 
     from gigpo_trl import GiGPOConfig, GiGPOTrainer, TaskArguments, make_env
+    from gigpo_trl.envs import INFO_ADMISSIBLE_ACTIONS
     from gigpo_trl.shortest_paths import shortest_path_length
 
     overrides = ["--output_dir", str(records_dir or ROOT / "outputs" / "screen" / config.stem),
@@ -205,10 +206,12 @@ def screen(config: Path, model: str, eval_tasks: int, sampled_tasks: int, copies
     held_out = trainer.evaluate()
     held_out_cpu = time.process_time() - started
     env = make_env(args.env_name, **args.env_kwargs)
-    optimal = [shortest_path_length(env, seed, args.max_env_steps) for seed in panel["seed"]]
+    graph = INFO_ADMISSIBLE_ACTIONS in env.reset(seed=panel["seed"][0])[1]  # else no breadth-first distances
+    optimal = [shortest_path_length(env, seed, args.max_env_steps) if graph else walkthrough_length(env, seed)
+               for seed in panel["seed"]]
     env.close()
     reachable = [length for length in optimal if length is not None]
-    sampled_held_out, distance_env, distances = None, make_env(args.env_name, **args.env_kwargs), {}
+    sampled_held_out, distance_env, distances = None, make_env(args.env_name, **args.env_kwargs) if graph else None, {}
     if eval_samples:
         sampled_held_out = sampled_panel(trainer, eval_samples, len(panel), distance_env, args.max_env_steps, distances)
     trainer.model.train()
@@ -219,7 +222,7 @@ def screen(config: Path, model: str, eval_tasks: int, sampled_tasks: int, copies
         trainer._generate_and_score_completions(rows)  # one sampled rollout, no update
         metrics = {name: values[-1] for name, values in trainer._metrics["train"].items() if values}
         prompt_tokens = [len(completion.prompt_ids) for completion in trainer.last_rollout.steps.completion]
-        wasted = wasted_steps(distance_env, trainer.last_rollout, args.max_env_steps, distances)
+        wasted = wasted_steps(distance_env, trainer.last_rollout, args.max_env_steps, distances) if graph else {}
         sampled[f"{temperature:g}"] = {
             "success": metrics["env/success_rate"], "decisions_per_episode": metrics["env/episode_length_mean"],
             "truncated_share": metrics["env/truncated_share"], "invalid_action_rate": metrics["env/invalid_action_rate"],
@@ -229,7 +232,8 @@ def screen(config: Path, model: str, eval_tasks: int, sampled_tasks: int, copies
             "groups_with_return_spread": 1.0 - metrics["frac_reward_zero_std"],
             **wasted,
         }
-    distance_env.close()
+    if distance_env is not None:
+        distance_env.close()
     trainer.close_environments()
     del trainer
     gc.collect()
@@ -253,7 +257,9 @@ def sampled_panel(trainer: Any, copies: int, tasks: int, env: Any, search_depth:
     of each task, through the trainer's own evaluation with `eval_greedy` false and `num_generations_eval` = `copies`
     (the evaluation a training run with those settings makes, as `gigpo_trl.evaluation.evaluate_panels` plays it):
     its success, decisions, invalid answers and CPU seconds, and what its episodes' wasted turns cost
-    (`wasted_turn_costs`, the distances found by replaying each episode in `env`)."""
+    (`wasted_turn_costs`, the distances found by replaying each episode in `env`; None for an environment that lists
+    no admissible actions, whose distances are not searched: then the share of task groups whose copies both won and
+    lost only)."""
     from research.credit_probe import step_distances
 
     args = trainer.args
@@ -273,6 +279,18 @@ def sampled_panel(trainer: Any, copies: int, tasks: int, env: Any, search_depth:
     finally:
         del trainer._generate_and_score_completions  # the class's method again
     cpu = time.process_time() - started
+    figures = {"copies": copies, "temperature": float(trainer.temperature),
+               "success": metrics["eval_env/success_rate"],
+               "decisions_per_episode": metrics["eval_env/episode_length_mean"],
+               "invalid_action_rate": metrics.get("eval_env/invalid_action_rate"), "cpu_s": cpu}
+    if env is None:
+        outcomes: dict[int, set[bool]] = {}
+        for rollout in rollouts:
+            for episode in rollout.episodes:
+                outcomes.setdefault(episode.seed, set()).add(bool(episode.won))
+        spread = sum(len(seen) == 2 for seen in outcomes.values()) / max(len(outcomes), 1)
+        return figures | {"episodes": sum(len(r.episodes) for r in rollouts), "task_groups": len(outcomes),
+                          "groups_with_return_spread": spread}
     episodes = []
     for rollout in rollouts:
         before, after = step_distances(env, rollout, search_depth, distances)
@@ -280,11 +298,15 @@ def sampled_panel(trainer: Any, copies: int, tasks: int, env: Any, search_depth:
             rows = rollout.steps.rows_of(episode.trajectory)
             episodes.append((episode.seed, bool(episode.won), int((after[rows] >= before[rows]).sum()),
                              float(after[rows[-1]]) if rows else math.inf))
-    return {"copies": copies, "temperature": float(trainer.temperature), "episodes": len(episodes),
-            "success": metrics["eval_env/success_rate"],
-            "decisions_per_episode": metrics["eval_env/episode_length_mean"],
-            "invalid_action_rate": metrics.get("eval_env/invalid_action_rate"), "cpu_s": cpu,
-            **wasted_turn_costs(episodes)}
+    return figures | {"episodes": len(episodes), **wasted_turn_costs(episodes)}
+
+
+def walkthrough_length(env: Any, seed: int) -> int | None:
+    """The length of the task's walkthrough (the environment's own solution, `env.walkthrough` after reset), or None
+    where it gives none: the optimal path of an environment whose actions are free text (no breadth-first search)."""
+    env.reset(seed=seed)
+    walkthrough = getattr(env, "walkthrough", None)
+    return len(walkthrough) if walkthrough else None
 
 
 def wasted_turn_costs(episodes: Sequence[tuple[int, bool, int, float]]) -> dict[str, float]:
