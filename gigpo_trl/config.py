@@ -37,6 +37,8 @@ REPLACED_FIELDS = {
 DEFAULT_MAX_ENV_STEPS = 50
 # history_length "auto": the window of text environments (environment_factory classes play the whole conversation)
 DEFAULT_HISTORY_LENGTH = 2
+# TRL's default per_device_eval_batch_size, which an unset one is derived from.
+TRL_EVAL_BATCH_SIZE = 8
 
 
 @dataclass
@@ -273,6 +275,14 @@ class GiGPOConfig(GRPOConfig):
         metadata={"help": "Deprecated alias of activation_checkpointing (transformers), used only when that is unset.",
                   "nargs": "?", "const": True},
     )
+    # TRL's default of 8 rows refuses a group size it does not divide (the paper's 5 copies) even where nothing is
+    # evaluated; the groups of an evaluation never cross processes here, so each process's batch holds whole groups.
+    per_device_eval_batch_size: int | None = field(
+        default=None,
+        metadata={"help": "Rows of an evaluation batch on each process: whole task groups of num_generations_eval (or "
+                  f"num_generations) copies. Unset: the smallest multiple of the group size that is at least "
+                  f"{TRL_EVAL_BATCH_SIZE} (TRL's default), e.g. 10 for the paper's 5 copies."},
+    )
 
     def history_shown(self, tool_environment: bool) -> int | None:
         """The `history_length` a run plays with: K past exchanges, or None for the whole conversation ('auto': None
@@ -284,6 +294,9 @@ class GiGPOConfig(GRPOConfig):
     def __post_init__(self):
         if self.activation_checkpointing is None and self.gradient_checkpointing is None:
             self.activation_checkpointing = True
+        if self.per_device_eval_batch_size is None:
+            group = self.num_generations_eval or self.num_generations or 1
+            self.per_device_eval_batch_size = group * math.ceil(TRL_EVAL_BATCH_SIZE / group)
         self._follow_deepspeed_launch()
         if self.bf16 is None and not self.fp16 and not _cuda_available():
             self.bf16 = _cpu_only() and _cpu_has_bf16_instructions()

@@ -167,3 +167,14 @@ def test_a_dataset_without_seeds_or_with_too_few_tasks_is_rejected(tmp_path, tin
         GiGPOTrainer(tiny_model_path, args=cpu_config(tmp_path), train_dataset=Dataset.from_dict({"prompt": ["hi"] * 4}))
     with pytest.raises(ValueError, match="train_dataset has 3 tasks, but one rollout needs .* = 4 distinct tasks"):
         GiGPOTrainer(tiny_model_path, args=cpu_config(tmp_path), train_dataset=task_dataset(range(3)))
+
+
+def test_the_papers_five_copies_get_an_eval_batch_of_whole_groups_unless_one_is_set_that_splits_them(tmp_path):
+    paper = GiGPOConfig(str(tmp_path), num_generations=5, per_device_train_batch_size=10, bf16=False)
+    assert paper.per_device_eval_batch_size == 10  # the smallest multiple of 5 from TRL's default of 8
+    assert GiGPOConfig(str(tmp_path), num_generations=4, bf16=False).per_device_eval_batch_size == 8
+    assert GiGPOConfig(str(tmp_path), num_generations=5, per_device_train_batch_size=10, num_generations_eval=3,
+                       bf16=False).per_device_eval_batch_size == 9
+    with pytest.raises(ValueError, match=r"per_device_eval_batch_size=8 must be a multiple of the eval group size"):
+        GiGPOConfig(str(tmp_path), num_generations=5, per_device_train_batch_size=10, per_device_eval_batch_size=8,
+                    bf16=False)
