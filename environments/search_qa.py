@@ -111,20 +111,22 @@ COMPARE_QUESTION = re.compile(rf"Who was born earlier, ({NAME}) or ({NAME})\?")
 INVALID_HELP = "Search with <search>query</search> or answer with <answer>text</answer>."
 INFORMATION = re.compile(r"^Doc \d+: \"(.*?)\" (.*)$", re.MULTILINE)
 
-_INSTRUCTION = ("Think inside <think> </think> if you need to, then either search with <search> query </search> or "
-                "answer with <answer> answer </answer>.")
+_INSTRUCTION = "Search with <search> query </search> until you have found the answer, then answer with <answer> answer </answer>."
 # The format shown as earlier chat turns (a small model follows a format it was shown in turns far more often than one
-# shown inline); names the generator cannot make.
+# shown inline), each turn as short as the task allows: the question and the instruction, then the results as they
+# come back, the instruction naming the search last (setting J's probes: with the generic wording, "Current
+# observation (step 0):" repeating the question and an instruction ending on the answer tag, SmolLM2-135M answered
+# 64 of 64 questions at once; with these turns it searched 43 of 64); names the generator cannot make.
 PROMPT_TEMPLATE = PromptTemplate(
     system="You answer questions by searching a knowledge base that you know nothing of beforehand.",
-    task="Question: {task}",
-    instruction=_INSTRUCTION,
+    task="Question: {task}\n\n" + _INSTRUCTION,
+    current="{observation}",
+    instruction="",
     examples=(
-        ("Question: Where was Ysolde Quaine born?\n\nCurrent observation (step 0):\nWhere was Ysolde Quaine born?\n\n"
-         + _INSTRUCTION, "<search>Ysolde Quaine</search>"),
-        ('Current observation (step 1):\n<information>\nDoc 1: "Ysolde Quaine" Ysolde Quaine was born in Pemmock in '
-         '1861. Ysolde Quaine worked as a miller.\nDoc 2: "Ysolde Brannt" Ysolde Brannt was born in Ottery in 1874.\n'
-         "</information>\n\n" + _INSTRUCTION, "<answer>Pemmock</answer>"),
+        ("Question: Where was Ysolde Quaine born?\n\n" + _INSTRUCTION, "<search>Ysolde Quaine</search>"),
+        ('<information>\nDoc 1: "Ysolde Quaine" Ysolde Quaine was born in Pemmock in 1861. Ysolde Quaine worked as a '
+         'miller.\nDoc 2: "Ysolde Brannt" Ysolde Brannt was born in Ottery in 1874.\n</information>',
+         "<answer>Pemmock</answer>"),
     ),
     action_tags=ACTION_TAGS,
 )

@@ -121,8 +121,9 @@ def load_template(name_or_path: str) -> PromptTemplate:
 
 
 def history_window(history: Sequence[T], length: int | None) -> list[T]:
-    """The last `length` entries of an episode's history, the ones a prompt shows (none for 0 or None)."""
-    return list(history)[len(history) - length:] if length else []
+    """The last `length` entries of an episode's history, the ones a prompt shows (all of a shorter history; none for 0
+    or None)."""
+    return list(history)[max(len(history) - length, 0):] if length else []
 
 
 def build_messages(
@@ -165,7 +166,8 @@ def build_messages(
             for k, (past_observation, past_action) in enumerate(shown)
         ]
         sections.append("\n".join([template.history_header, *steps]))
-    sections.append(template.current.format(step=step, observation=observation))
+    if observation != task:  # an environment whose first observation is its task (a question) shows it once
+        sections.append(template.current.format(step=step, observation=observation))
     if admissible_actions:
         sections.append(_actions_section(admissible_actions, template))
     sections.append(template.instruction)
@@ -173,7 +175,7 @@ def build_messages(
     for example_user, example_answer in template.examples:
         demonstration += [{"role": "user", "content": example_user}, {"role": "assistant", "content": example_answer}]
     system = [{"role": "system", "content": template.system}] if template.system else []
-    return [*system, *demonstration, {"role": "user", "content": "\n\n".join(sections)}]
+    return [*system, *demonstration, {"role": "user", "content": "\n\n".join(section for section in sections if section)}]
 
 
 def continued_turn(observation: str, *, step: int, admissible_actions: Sequence[str] | None = None,

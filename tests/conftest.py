@@ -41,7 +41,10 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # `pytest -n 2`: the workers share th
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # processes they start), instead of each taking every core
     torch.set_num_threads(1)
 
-os.environ["GIGPO_TRL_CACHE"] = tempfile.mkdtemp(prefix="gigpo-trl-test-cache-")
+# One cache for the session, never the user's: `pytest -n 2`'s workers inherit the controller's environment, so they
+# share the generated games and the converted embedded model (each written atomically) instead of making them twice.
+os.environ.setdefault("GIGPO_TRL_TEST_CACHE", tempfile.mkdtemp(prefix="gigpo-trl-test-cache-"))
+os.environ["GIGPO_TRL_CACHE"] = os.environ["GIGPO_TRL_TEST_CACHE"]
 # Importing alfworld creates its data folder ($ALFWORLD_DATA, default ~/.cache/alfworld); the tests bring their own games.
 os.environ["ALFWORLD_DATA"] = tempfile.mkdtemp(prefix="gigpo-trl-test-alfworld-")
 
@@ -50,3 +53,10 @@ os.environ["ALFWORLD_DATA"] = tempfile.mkdtemp(prefix="gigpo-trl-test-alfworld-"
 def tool_model_path(make_tiny_model) -> str:
     """The tiny model with TRL's Qwen2.5 chat template."""
     return make_tiny_model("tiny-tool-model", tool_template=True)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The slow tests first (`@pytest.mark.slow`), in their collected order: under `pytest -n 2` each worker then
+    takes long tests while there are any and the short ones fill in after, instead of one worker ending alone on a
+    long test while the other sits idle."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

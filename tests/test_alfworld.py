@@ -206,6 +206,7 @@ def test_a_pool_of_worker_processes_plays_the_copies_of_a_task_alike():
         assert stepped[0].anchor == stepped[1].anchor and "env_error" not in stepped[2].info
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_the_recipe_trains_on_alfworld_and_reports_held_out_success_per_task_type(tmp_path, tiny_model_path):
     recipes = Path(__file__).resolve().parent.parent / "recipes"

@@ -110,6 +110,7 @@ TEMPLATES = {  # name: (the template, or None for the tokenizer's own; the token
 
 @pytest.mark.parametrize(("name", "role"), [(name, "user") for name in TEMPLATES]
                          + [("TRL Qwen2.5", "tool"), ("TRL Qwen3 training", "tool"), ("TRL Llama-3.1", "tool")])
+@pytest.mark.slow
 def test_prompt_ids_extend_token_for_token_and_read_as_the_templates_rendering_over_10_turns(tiny_model_path, name,
                                                                                                 role):
     template, end_token, model = TEMPLATES[name]

@@ -142,6 +142,7 @@ def test_pytest_counts_are_read_from_its_closing_line():
     assert gpu_check._count("==== 3 passed in 2s ====", "failed") == 0
 
 
+@pytest.mark.slow
 def test_the_training_worker_runs_in_its_own_process_and_reports_its_figures(tiny_model_path):
     result = run_worker("train", {"model": tiny_model_path, "max_steps": 2, "lora": True}, timeout=600)
 
@@ -151,6 +152,7 @@ def test_the_training_worker_runs_in_its_own_process_and_reports_its_figures(tin
     assert result["env/step_samples"] > 0 and result["gigpo/singleton_share"] is not None
 
 
+@pytest.mark.slow
 def test_a_worker_that_fails_reports_the_error_instead_of_figures(tmp_path):
     result = run_worker("train", {"model": str(tmp_path / "no-such-model"), "max_steps": 1}, timeout=600)
     assert len(result["problems"]) == 2 and "exit code 1" in result["problems"][1]
@@ -245,6 +247,7 @@ def test_the_vllm_options_size_each_colocated_engine_and_leave_the_servers_to_it
     assert gpu_check.vllm_settings(options, server=True) == {}
 
 
+@pytest.mark.slow
 def test_the_packed_update_check_compares_both_paths_and_dry_runs_on_cpu():
     """The packed_update check's worker at its smallest (3-step conversations, 2 layers of SmolLM2's shape): without
     CUDA it packs with sdpa's dense mask, and its packed log-probs and gradients equal the plain rows'."""

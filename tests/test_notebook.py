@@ -11,6 +11,7 @@ from nbclient import NotebookClient
 NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "quickstart.ipynb"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_the_quickstart_notebook_executes(tmp_path):
     notebook = nbformat.read(NOTEBOOK, as_version=4)

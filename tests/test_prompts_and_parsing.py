@@ -155,3 +155,13 @@ def test_with_several_tags_what_is_sent_is_bounded_and_a_bad_tag_list_is_refused
     path = tmp_path / "template.json"
     path.write_text('{"action_tags": ["search", "answer"]}')
     assert load_template(str(path)).action_tags == SEARCH_TAGS and PromptTemplate().action_tags == ("action",)
+
+
+def test_a_window_shows_the_last_k_steps_or_every_step_of_a_shorter_history():
+    from gigpo_trl.prompts import history_window
+
+    history = ["s0", "s1", "s2"]
+    assert [history_window(history, k) for k in (0, None, 1, 2, 3)] == [[], [], ["s2"], ["s1", "s2"], history]
+    assert history_window(history, 4) == history and history_window(history, 5) == history  # was ["s2"] and ["s1", "s2"]
+    messages = build_messages("now", step=3, history=[("o0", "a0"), ("o1", "a1"), ("o2", "a2")], history_length=4)
+    assert all(f"[Step {k}] Your action: a{k}" in messages[-1]["content"] for k in range(3))

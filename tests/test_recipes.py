@@ -86,6 +86,7 @@ def test_the_recipe_trains_evaluates_saves_and_reports(tmp_path, tiny_model_path
     assert (tmp_path / "report" / "index.html").is_file()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_the_recipe_resumes_from_the_last_checkpoint_when_told_true_on_the_command_line(tmp_path, tiny_model_path):
     run_recipe([sys.executable], tiny_model_path, tmp_path, "smoke_cpu.yaml", "--max_steps", "1",
@@ -98,6 +99,7 @@ def test_the_recipe_resumes_from_the_last_checkpoint_when_told_true_on_the_comma
     assert [record["step"] for record in read_iterations(tmp_path) if record["mode"] == "train"] == [0, 1]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("java") is None, reason="TextWorldExpress needs a Java runtime (java)")
 @pytest.mark.timeout(600)
 def test_the_recipe_trains_on_cookingworld_and_reports_held_out_success_per_task_type(tmp_path, tiny_model_path):
@@ -149,6 +151,7 @@ def test_the_environment_class_recipe_trains_evaluates_and_reports(tmp_path, too
     assert [record["metrics"]["env/panel_tasks"] for record in read_evaluations(tmp_path)] == [2, 2]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_the_visual_sokoban_recipe_trains_a_tiny_vlm_adapter_on_two_cpu_processes(tmp_path):
     model_dir = str(build_tiny_vlm(tmp_path / "tiny-vlm"))

@@ -159,3 +159,41 @@ def test_a_server_that_does_not_answer_in_time_is_named_without_trying_again():
         with pytest.raises(RetrieverError, match=rf"the retrieval server {url} did not answer within 0.2 s"):
             HTTPRetriever(url, timeout=0.2)(["A"], 1)
         assert time.perf_counter() - started < 0.9
+
+
+@pytest.mark.timeout(300)
+def test_the_gpu_recipe_trains_on_search_r1_files_through_a_retrieval_server_on_cpu(server_url, tmp_path,
+                                                                                      tiny_model_path):
+    """recipes/configs/search_qa_gpu.yaml as the recipe parses it, cut to one CPU update of the tiny model on the sample
+    QA file, retrieving through the shipped server; the answers are scripted (search the question, then answer)."""
+    from scripted_policy import scripted
+    from trl import ModelConfig, TrlParser
+
+    from gigpo_trl import GiGPOConfig, GiGPOTrainer, TaskArguments
+    from gigpo_trl.dialogue import prompt_messages
+
+    config = Path(__file__).resolve().parents[1] / "recipes" / "configs" / "search_qa_gpu.yaml"
+    env_kwargs = {"qa": str(DATA / "qa.jsonl"), "retriever_url": server_url, "anchor": "observation", "top_k": 3}
+    task_args, args, _ = TrlParser((TaskArguments, GiGPOConfig, ModelConfig)).parse_args_and_config(args=[
+        "--config", str(config), "--output_dir", str(tmp_path), "--env_kwargs", json.dumps(env_kwargs),
+        "--num_train_tasks", "8", "--use_vllm", "false", "--bf16", "false", "--dtype", "float32", "--max_steps", "1",
+        "--per_device_train_batch_size", "10", "--steps_per_generation", "1", "--gradient_accumulation_steps", "1",
+        "--max_completion_length", "8", "--activation_checkpointing", "false", "--save_strategy", "no",
+        "--report_to", "none", "--env_processes", "false"])
+
+    def search_then_answer(prompt, tools, position):
+        text = prompt_messages(prompt)[-1]["content"]
+        if "<information>" in text:
+            return "<answer>Fennbury</answer>"
+        return f"<search>{re.search(r'Question: (.+)', text).group(1)}</search>"
+
+    train, _ = task_args.datasets(args.env_name, args.env_kwargs)
+    trainer = scripted(GiGPOTrainer(tiny_model_path, args=args, train_dataset=train), search_then_answer)
+    trainer.train()
+    trainer.close_environments()
+
+    assert (args.num_generations, args.similarity_threshold, args.history_length) == (5, 0.9, None)  # the paper's
+    log = next(entry for entry in trainer.state.log_history if "env/searches" in entry)
+    assert log["env/searches"] == 1.0 and log["env/env_error_share"] == 0.0 and log["env/step_samples"] == 20
+    steps = trainer.last_rollout.steps
+    assert all("<information>" in steps.observation[row] for row in range(len(steps)) if steps.step[row] == 1)

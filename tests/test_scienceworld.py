@@ -164,6 +164,7 @@ def test_without_java_the_error_says_how_to_install_it(monkeypatch):
         ScienceWorldEnv()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_the_recipe_trains_on_scienceworld_and_evaluates_the_dev_panel(tmp_path, tiny_model_path):
     command = [sys.executable, str(RECIPES / "train_gigpo.py"), "--config", str(RECIPES / "configs" / "scienceworld_smoke_cpu.yaml"),

@@ -31,6 +31,7 @@ LOGGED_METRICS = [
         (scripted_trainer, "textworld"),  # admissible commands drawn at random: some copies find the treasure
     ],
 )
+@pytest.mark.slow
 def test_a_short_run_changes_the_weights_and_logs_the_metrics(tmp_path, tiny_model_path, trainer_class, env_name):
     config = cpu_config(tmp_path, env_name=env_name, max_steps=3)
     trainer = trainer_class(tiny_model_path, args=config, train_dataset=task_dataset(range(4)))

@@ -42,6 +42,7 @@ def replay(factory, episode, actions, **kwargs) -> list:
     return anchors
 
 
+@pytest.mark.slow
 def test_a_counter_trains_one_turn_a_step_with_rewards_that_sum_to_get_reward(tmp_path, tool_model_path):
     trainer = scripted_tool_trainer(tool_model_path, args=tool_config(tmp_path), train_dataset=rows(4),
                                   environment_factory=IncrementEnv)
@@ -113,6 +114,7 @@ def test_a_guessing_game_with_done_and_reward_funcs_scores_the_last_step(tmp_pat
     trainer.close_environments()
 
 
+@pytest.mark.slow
 def test_a_class_without_won_logs_no_success_rate_anywhere_while_its_returns_are_logged(tmp_path, tool_model_path,
                                                                                          capsys):
     # IncrementEnv has get_reward and no `won`: whether an episode was won is unknown, which is not a success rate of 0.
@@ -135,6 +137,7 @@ def test_a_class_without_won_logs_no_success_rate_anywhere_while_its_returns_are
             "-> 1 after") in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_dynamic_sampling_plays_further_dataset_rows_with_fresh_seeds_each_round(tmp_path, tool_model_path):
     """Undiscounted (gamma 1), every copy of every counter reaches its target and every step value ties: no task group
     has a signal, and the iteration plays its 2 extra rounds. Their rows come from the training set (4 rows: every

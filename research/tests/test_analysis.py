@@ -58,6 +58,7 @@ def test_the_decision_is_the_pre_registered_criterion():
     assert decision(rows([0.6, 0.4, 0.7], [0.4, 0.4, 0.6])).startswith("undecided")  # a tie on one seed
 
 
+@pytest.mark.slow
 def test_the_comparison_refuses_held_out_figures_of_runs_whose_panels_differ_unless_allowed(tmp_path):
     import subprocess
     import sys
@@ -104,6 +105,7 @@ def test_the_comparison_refuses_held_out_figures_of_runs_whose_panels_differ_unl
         "the held-out panels differ: GRPO (omega=0) seed 0 at step 0 played 2 of the 3 tasks (not: seed 1000002)")
 
 
+@pytest.mark.slow
 def test_runs_stopped_at_a_fixed_time_are_compared_at_the_last_evaluation_every_run_reached(tmp_path):
     import subprocess
     import sys

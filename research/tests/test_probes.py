@@ -71,6 +71,7 @@ def test_warm_up_prompts_show_none_or_the_last_k_moves_and_none_at_k_0(tiny_mode
         assert all(f"Your action: {action}" in text for _, action in shown)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_the_screen_plays_each_candidate_at_each_temperature_and_times_a_training_iteration(tiny_model_path, tmp_path):
     import subprocess
@@ -129,6 +130,7 @@ def test_wasted_turn_costs_count_the_groups_that_both_won_and_lost_and_how_often
     assert math.isnan(nothing_lost["wasted_turn_loss_share"]) and math.isnan(nothing_lost["lost_within_2_moves_share"])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_the_screen_plays_the_held_out_panel_sampled_k_copies_a_task_through_the_trainers_evaluation(
         tiny_model_path, tmp_path):
@@ -153,3 +155,21 @@ def test_the_screen_plays_the_held_out_panel_sampled_k_copies_a_task_through_the
     records = [json.loads(line) for line in
                (output / "records" / "learning_compass_cpu-0" / "gigpo" / "evaluations.jsonl").read_text().splitlines()]
     assert [(record["copies"], record["decoding"]) for record in records] == [(1, "greedy"), (2, "sampled")]
+
+
+@pytest.mark.timeout(300)
+def test_the_screen_of_an_environment_without_admissible_actions_reads_its_walkthrough_and_skips_wasted_turns(
+        tiny_model_path, tmp_path):
+    """search_qa's actions are free text: no breadth-first distances, so the optimal path is the walkthrough's length and
+    the sampled panel says only how the copies of a task split."""
+    from research.probes import ROOT, screen
+
+    result = screen(ROOT / "research" / "configs" / "learning_search_qa_cpu.yaml", tiny_model_path, 2, 1, 2,
+                    ["--env_kwargs", '{"families": ["collect"], "top_k": 1}', "--max_completion_length", "8",
+                     "--eval_greedy", "true", "--num_generations_eval", "1"],
+                    records_dir=tmp_path / "records", eval_samples=2)
+
+    assert result["optimal_path_mean"] == 3.0 and result["unwinnable_within_limit"] == 0  # two searches and an answer
+    panel = result["sampled_held_out"]
+    assert panel["episodes"] == 4 and panel["task_groups"] == 2 and 0 <= panel["groups_with_return_spread"] <= 1
+    assert "wasted_turns_per_episode" not in panel and "wasted_steps_per_episode" not in result["sampled"]["0.6"]
