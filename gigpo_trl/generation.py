@@ -75,7 +75,7 @@ def generation_prefix_cache(trainer: GRPOTrainer) -> PrefixCache | None:
     )
     if problem:
         warnings.warn(f"generation_prefix_cache is off: {problem}; every prompt is forwarded whole at every turn "
-                      "(TRL's generate)", stacklevel=3)
+                      "(TRL's generate)", stacklevel=4)
         return None
     return PrefixCache()
 

@@ -243,7 +243,7 @@ def conversation_turns(processing_class: Any, chat_template: str | None, chat_te
             raise refused from None
     checked = turns(training_template)
     warnings.warn("conversation mode: the chat template is not prefix-preserving; prompts are rendered with TRL's "
-                  "training template of its family (trl.chat_template_utils.get_training_chat_template)", stacklevel=3)
+                  "training template of its family (trl.chat_template_utils.get_training_chat_template)", stacklevel=4)
     return checked, training_template
 
 
