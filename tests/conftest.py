@@ -56,7 +56,7 @@ def tool_model_path(make_tiny_model) -> str:
 
 
 def pytest_collection_modifyitems(config, items):
-    """The slow tests first (`@pytest.mark.slow`), in their collected order: under `pytest -n 2` each worker then
-    takes long tests while there are any and the short ones fill in after, instead of one worker ending alone on a
-    long test while the other sits idle."""
+    """The slow tests first (`@pytest.mark.slow`), in their collected order: under `pytest -n 2` (with `--dist
+    worksteal`, setup.cfg) the long tests run early and the short ones fill the end, where a worker that runs out takes
+    half of the other's queue, instead of one worker ending alone on a long test while the other sits idle."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
