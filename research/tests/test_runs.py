@@ -193,6 +193,8 @@ def test_runs_stopped_part_way_resume_from_their_checkpoints_and_their_records_g
     stopped_at = {run.name: max(int(state.parent.name.split("-")[1]) for state in run.glob("checkpoint-*/trainer_state.json"))
                   for run in runs}
     assert all(step < 4 for step in stopped_at.values()), f"the runs ended before the kill: {stopped_at}"
+    # what a run recorded after its last checkpoint (killed while saving the next one, say): the resume sets it aside
+    after_checkpoint = {run.name: _records_after(run / "gigpo", stopped_at[run.name]) for run in runs}
 
     resumed = subprocess.run([*command, "--resume"], capture_output=True, text=True, timeout=600, cwd=root)
 
@@ -203,7 +205,11 @@ def test_runs_stopped_part_way_resume_from_their_checkpoints_and_their_records_g
         assert f"(from checkpoint-{stopped_at[run.name]})" in resumed.stdout
         records = [json.loads(line) for line in (run / "gigpo" / "iterations.jsonl").read_text().splitlines()]
         assert [record["step"] for record in records if record["mode"] == "train"] == [0, 1, 2, 3]
-        assert not list((run / "gigpo").glob("set_aside-*"))
+        aside = list((run / "gigpo").glob("set_aside-*"))
+        if after_checkpoint[run.name]:
+            assert len(aside) == 1 and _records_after(aside[0], -1) == after_checkpoint[run.name]
+        else:
+            assert not aside
     rows = [row for row in csv.DictReader((tmp_path / "learning_curves.csv").open()) if row["mode"] == "train"]
     assert len(rows) == 8
     for run, method in zip(runs, ("GiGPO", "GRPO (omega=0)")):  # each update's entropy: the first part's up to the
@@ -224,3 +230,20 @@ def test_runs_stopped_part_way_resume_from_their_checkpoints_and_their_records_g
     assert again.returncode == 0, again.stderr[-4000:]
     assert "GiGPO seed 0: finished at checkpoint-4, not started again" in again.stdout
     assert "GRPO (omega=0) seed 0: finished at checkpoint-4, not started again" in again.stdout
+
+
+def _records_after(folder: Path, step: int) -> list[tuple[str, str, int]]:
+    """The records in `folder` (a run's gigpo/ or a set-aside one) from after the checkpoint of `step`: training
+    rollouts played for later updates (step >= `step`), logged steps and evaluations past it; as (file, mode, step)."""
+    records = []
+    for name in ("iterations.jsonl", "evaluations.jsonl", "updates.jsonl"):
+        path = folder / name
+        for line in path.read_text().splitlines() if path.is_file() else []:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:  # the last line, cut by the kill
+                continue
+            mode = record.get("mode", "train" if name == "updates.jsonl" else "eval")
+            if record["step"] > step or (name == "iterations.jsonl" and mode == "train" and record["step"] == step):
+                records.append((name, mode, record["step"]))
+    return records
