@@ -12,6 +12,7 @@ from transformers import TrainerCallback
 from gigpo_trl.metric_names import (
     PANEL_TASKS, PANEL_UNPLAYED, PANEL_UNPLAYED_TASKS, RETURN_MEAN, SUCCESS_RATE, evaluation_name,
 )
+from gigpo_trl.records import read_evaluations
 from gigpo_trl.report import write_report
 
 
@@ -54,18 +55,25 @@ def train_and_report(trainer: Any, resume_from_checkpoint: str | bool | None = N
     checkpoint it resumes from left it): under DeepSpeed, an `evaluate()` before `train()` leaves transformers'
     Trainer an engine without an optimizer, and training then fails at its first backward pass. The evaluation after
     training is the periodic one of the last step where the run made one there (`eval_steps` dividing `max_steps`):
-    the same weights, the same panel, not played twice."""
+    the same weights, the same panel, not played twice. A run that resumes from a checkpoint does not play the panel
+    before training again (it would be the checkpoint's, recorded as a second evaluation of that step): its figure
+    before training is the one its records hold for step 0."""
     held_out = trainer.eval_dataset is not None
+    resuming = resume_target(resume_from_checkpoint) not in (None, False)
     evaluations = Evaluations()
     if held_out:
-        trainer.args.eval_on_start = evaluate_first
+        # a resumed run played its panel before training when it first started: its record says what it showed
+        trainer.args.eval_on_start = evaluate_first and not resuming
         trainer.add_callback(evaluations)
     trainer.train(resume_from_checkpoint=resume_target(resume_from_checkpoint))
-    before = evaluations.made[0][1] if evaluate_first and evaluations.made else None
+    played_first = held_out and trainer.args.eval_on_start
+    before = evaluations.made[0][1] if played_first and evaluations.made else None
+    if held_out and evaluate_first and resuming:
+        before = recorded_evaluation(trainer.args.output_dir, step=0)
     after = None
     if held_out:
         last_step, last = evaluations.made[-1] if evaluations.made else (None, None)
-        training_made_it = last_step == trainer.state.global_step and (len(evaluations.made) > 1 or not evaluate_first)
+        training_made_it = last_step == trainer.state.global_step and len(evaluations.made) > int(played_first)
         after = last if training_made_it else trainer.evaluate()
     trainer.save_model(trainer.args.output_dir)
     trainer.close_environments()
@@ -73,22 +81,37 @@ def train_and_report(trainer: Any, resume_from_checkpoint: str | bool | None = N
         return RunOutcome(before, after, None)
     report = write_report(trainer.args.output_dir)
     if held_out:
-        print(held_out_line(panel, before, after))
+        print(held_out_line(panel, before, after, not_played_because="evaluate_before_training false" if not resuming
+                            else "resumed, and the run's records hold no evaluation of its panel at step 0"))
     print(f"Report: {report / 'index.html'}")
     return RunOutcome(before, after, report)
 
 
-def held_out_line(panel: str, before: dict[str, Any] | None, after: dict[str, Any]) -> str:
+def recorded_evaluation(output_dir: str | Path, step: int) -> dict[str, float | str] | None:
+    """The metrics of the run's recorded evaluation of its own held-out panel at training step `step`, named as
+    `evaluate()` returned them (the run's first one, if it played its panel more than once there); None without one."""
+    for record in read_evaluations(output_dir):
+        if record["step"] == step and record.get("panel") is None:
+            metrics: dict[str, float | str] = {evaluation_name(name): value for name, value in record["metrics"].items()}
+            if record.get("unplayed"):
+                metrics[evaluation_name(PANEL_UNPLAYED_TASKS)] = "; ".join(record["unplayed"])
+            return metrics
+    return None
+
+
+def held_out_line(panel: str, before: dict[str, Any] | None, after: dict[str, Any],
+                  not_played_because: str = "evaluate_before_training false") -> str:
     """`panel` with the held-out success rates before and after training (the mean returns where the environment does
     not say whether a task is won), each over the tasks its evaluation played: where one could not play every task,
     how many it played and which it could not follow, e.g. "19.0% before training (63 of 64 tasks played; 1 could not
-    be: seed 1000023) -> 26.6% after". `before` is None where the panel was not played before training."""
+    be: seed 1000023) -> 26.6% after". `before` is None where the panel was not played before training, which the line
+    says with `not_played_because`."""
     success = evaluation_name(SUCCESS_RATE) in (before or {}) or evaluation_name(SUCCESS_RATE) in after
     name = evaluation_name(SUCCESS_RATE) if success else evaluation_name(RETURN_MEAN)
 
     def figure(metrics: dict[str, Any] | None, when: str) -> str:
         if metrics is None:
-            return f"not played {when} (evaluate_before_training false)"
+            return f"not played {when} ({not_played_because})"
         text = (f"{metrics[name]:.1%}" if success else f"{metrics[name]:.4g}") if name in metrics else "nothing played"
         text += f" {when}"
         unplayed = int(metrics.get(evaluation_name(PANEL_UNPLAYED), 0))

@@ -91,12 +91,17 @@ def test_the_recipe_trains_evaluates_saves_and_reports(tmp_path, tiny_model_path
 def test_the_recipe_resumes_from_the_last_checkpoint_when_told_true_on_the_command_line(tmp_path, tiny_model_path):
     run_recipe([sys.executable], tiny_model_path, tmp_path, "smoke_cpu.yaml", "--max_steps", "1",
                "--save_strategy", "steps", "--save_steps", "1")
-    run_recipe([sys.executable], tiny_model_path, tmp_path, "smoke_cpu.yaml", "--max_steps", "2",
-               "--save_strategy", "steps", "--save_steps", "1", "--resume_from_checkpoint", "true")
+    resumed = run_recipe([sys.executable], tiny_model_path, tmp_path, "smoke_cpu.yaml", "--max_steps", "2",
+                         "--save_strategy", "steps", "--save_steps", "1", "--resume_from_checkpoint", "true")
 
     state = json.loads((tmp_path / "checkpoint-2" / "trainer_state.json").read_text())
     assert state["global_step"] == 2
     assert [record["step"] for record in read_iterations(tmp_path) if record["mode"] == "train"] == [0, 1]
+    # the panel before training is not played again at the checkpoint's step: the line reads it from the records
+    evaluations = read_evaluations(tmp_path)
+    assert [record["step"] for record in evaluations] == [0, 1, 2]
+    assert f"({len(evaluations[0]['tasks'])} tasks): {evaluations[0]['metrics']['env/success_rate']:.1%} before " \
+           f"training -> {evaluations[2]['metrics']['env/success_rate']:.1%} after" in resumed.stdout
 
 
 @pytest.mark.slow
