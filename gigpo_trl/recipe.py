@@ -59,21 +59,23 @@ def train_and_report(trainer: Any, resume_from_checkpoint: str | bool | None = N
     before training again (it would be the checkpoint's, recorded as a second evaluation of that step): its figure
     before training is the one its records hold for step 0."""
     held_out = trainer.eval_dataset is not None
-    resuming = resume_target(resume_from_checkpoint) not in (None, False)
+    checkpoint = resume_target(resume_from_checkpoint)
+    resuming = checkpoint not in (None, False)
+    # a resumed run played its panel before training when it first started: its record says what it showed
+    play_first = held_out and evaluate_first and not resuming
     evaluations = Evaluations()
     if held_out:
-        # a resumed run played its panel before training when it first started: its record says what it showed
-        trainer.args.eval_on_start = evaluate_first and not resuming
+        trainer.args.eval_on_start = play_first
         trainer.add_callback(evaluations)
-    trainer.train(resume_from_checkpoint=resume_target(resume_from_checkpoint))
-    played_first = held_out and trainer.args.eval_on_start
-    before = evaluations.made[0][1] if played_first and evaluations.made else None
-    if held_out and evaluate_first and resuming:
-        before = recorded_evaluation(trainer.args.output_dir, step=0)
+    trainer.train(resume_from_checkpoint=checkpoint)
+    if play_first:
+        before = evaluations.made[0][1] if evaluations.made else None
+    else:
+        before = recorded_evaluation(trainer.args.output_dir, step=0) if held_out and evaluate_first else None
     after = None
     if held_out:
         last_step, last = evaluations.made[-1] if evaluations.made else (None, None)
-        training_made_it = last_step == trainer.state.global_step and len(evaluations.made) > int(played_first)
+        training_made_it = last_step == trainer.state.global_step and len(evaluations.made) > int(play_first)
         after = last if training_made_it else trainer.evaluate()
     trainer.save_model(trainer.args.output_dir)
     trainer.close_environments()
