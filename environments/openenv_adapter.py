@@ -14,6 +14,13 @@ of `gigpo_trl.envs`. Its `env` argument is one of:
 - an openenv client (`EnvClient` or its `.sync()` wrapper, e.g. `MyEnv.from_docker_image(...)`, typed or
   generic), or a zero-argument callable returning one (the form for `EnvPool` workers).
 
+On a server (a URL or a client), an outage is waited out where it can be: opening the session and starting an
+episode (`reset`) try again, with a pause that doubles, while the server refuses connections or answers 5xx, for
+`service_wait` seconds in all (`gigpo_trl.services.wait_out`, which says while it waits what it waits for). A step
+is never tried again: the episode's state lives in the server's session, so a connection lost during an episode
+fails that episode with an error that says so (in an `EnvPool`, its trajectory ends and the run goes on; the next
+reset waits for the server).
+
 The adapter owns what it gets: `close()` closes the environment or the client. (Importing this module imports
 `openenv.core`, which takes a few seconds: it loads gradio for OpenEnv's web interface.)
 
@@ -67,9 +74,11 @@ try:
 except ImportError as exc:
     raise ImportError("the OpenEnv adapter needs the openenv package: pip install 'gigpo-trl[openenv]'") from exc
 from pydantic import BaseModel, ValidationError
+from websockets.exceptions import ConnectionClosed
 
 from gigpo_trl.env_base import BaseTextEnv
 from gigpo_trl.envs import INFO_ADMISSIBLE_ACTIONS, INFO_ANCHOR, INFO_TASK, INFO_WON
+from gigpo_trl.services import DEFAULT_SERVICE_WAIT, wait_out
 
 TEXT_FIELDS = ("text", "message", "prompt", "observation", "content")
 COUNTER_FIELDS = frozenset(
@@ -143,6 +152,8 @@ class OpenEnvAdapter(BaseTextEnv):
         observation_to_anchor: observation dict -> the hashable anchor of the state.
         admissible_actions_key, won_key, task_key: a field name, candidate names, or None (see the module docstring).
         max_steps: None: the adapter never truncates; an int n >= 1: `truncated` is True at the n-th step.
+        service_wait: for a server, seconds an outage (a refused connection, a 5xx answer) is waited out when the
+            session opens and when an episode starts (default 300: a server's restart); 0: no second try.
 
     `info` on reset and step: `anchor`, and `admissible_actions`, `won`, `task` when their fields are found; on
     step also `invalid_action`.
@@ -160,8 +171,11 @@ class OpenEnvAdapter(BaseTextEnv):
         won_key: FieldNames = WON_FIELDS,
         task_key: FieldNames = TASK_FIELDS,
         max_steps: int | None = None,
+        service_wait: float = DEFAULT_SERVICE_WAIT,
     ) -> None:
         super().__init__(max_steps=max_steps)
+        if not service_wait >= 0:
+            raise ValueError(f"service_wait must be a number of seconds >= 0, got {service_wait!r}")
         if action_cls is not None and not (isinstance(action_cls, type) and issubclass(action_cls, Action)):
             raise TypeError(f"action_cls must be a subclass of openenv's Action, got {action_cls!r}")
         self.observation_to_text = observation_to_text
@@ -169,7 +183,7 @@ class OpenEnvAdapter(BaseTextEnv):
         self.admissible_actions_key = _field_names(admissible_actions_key, "admissible_actions_key")
         self.won_key = _field_names(won_key, "won_key")
         self.task_key = _field_names(task_key, "task_key")
-        self._session = _open_session(env)
+        self._session = _open_session(env, service_wait)
         if text_to_action is None:
             action_cls = action_cls or _step_action_class(self._session)
             if action_cls is None:
@@ -238,6 +252,54 @@ class OpenEnvAdapter(BaseTextEnv):
         return 0.0 if result.reward is None else float(result.reward), bool(result.done)
 
 
+class _RemoteSession:
+    """A session on an OpenEnv server through a sync client: opening it and starting an episode wait out an outage
+    (`wait_out`); a step whose connection was lost, or replaced by a new one, fails the episode saying so."""
+
+    def __init__(self, client: SyncEnvClient, wait: float) -> None:
+        self.client, self.wait = client, wait
+        self.server = f"the OpenEnv server {getattr(client.async_client, 'base_url', None) or 'of the client'}"
+        self._waited(client.connect)
+
+    def reset(self, **arguments: Any) -> StepResult:
+        return self._waited(lambda: self.client.reset(**arguments))
+
+    def step(self, action: Action) -> StepResult:
+        connection = _connection(self.client)
+        try:
+            result = self.client.step(action)
+        except (OSError, ConnectionClosed) as exc:  # not the environment's own errors, which the server sends back
+            raise ConnectionError(f"{self.server} failed during the episode ({type(exc).__name__}: {exc}); the episode's "
+                                  "state was in its session and is lost") from exc
+        if connection is None or _connection(self.client) is not connection:
+            raise ConnectionError(f"{self.server} lost the episode's session: the client reconnected during the episode "
+                                  "(the server restarted?), so the step ran in a new session, not in the episode's")
+        return result
+
+    def close(self) -> None:
+        self.client.close()
+
+    def _waited(self, call: Callable[[], Any]) -> Any:
+        return wait_out(call, service=self.server, retry_reason=_outage, wait=self.wait)
+
+
+def _connection(client: SyncEnvClient) -> Any:
+    """The WebSocket the client holds now (openenv's EnvClient keeps it in `_ws`), to tell a step that reconnected."""
+    return getattr(client.async_client, "_ws", None)
+
+
+def _outage(exc: Exception) -> str | None:
+    """Why opening a session or starting an episode failed, where trying again may help: the server refused the
+    connection or answered 5xx (openenv raises a ConnectionError over the cause); None otherwise (a timeout included)."""
+    cause = exc.__cause__ if isinstance(exc, ConnectionError) and exc.__cause__ is not None else exc
+    status = getattr(getattr(cause, "response", None), "status_code", None)  # websockets' InvalidStatus
+    if status is not None:
+        return f"HTTP {status}" if status >= 500 else None
+    if isinstance(cause, OSError) and not isinstance(cause, TimeoutError):
+        return str(cause)
+    return None
+
+
 class _InProcessSession:
     """An `Environment` in this process, answering as openenv's sync client does (with a `StepResult`)."""
 
@@ -258,7 +320,7 @@ def _step_result(observation: Observation) -> StepResult:
     return StepResult(observation=observation, reward=observation.reward, done=observation.done)
 
 
-def _open_session(env: OpenEnvSource) -> _InProcessSession | SyncEnvClient:
+def _open_session(env: OpenEnvSource, wait: float) -> _InProcessSession | _RemoteSession:
     if isinstance(env, str):
         env = GenericEnvClient(base_url=env)
     elif callable(env) and not isinstance(env, Environment | EnvClient | SyncEnvClient):
@@ -268,14 +330,14 @@ def _open_session(env: OpenEnvSource) -> _InProcessSession | SyncEnvClient:
     if isinstance(env, EnvClient):
         env = env.sync()
     if isinstance(env, SyncEnvClient):
-        return env.connect()
+        return _RemoteSession(env, wait)
     raise TypeError(
         "env must be an openenv Environment, a server's base URL, an openenv client, or a zero-argument callable "
         f"returning an Environment or a client; got {type(env).__name__}"
     )
 
 
-def _step_action_class(session: _InProcessSession | SyncEnvClient) -> type[Action] | None:
+def _step_action_class(session: _InProcessSession | _RemoteSession) -> type[Action] | None:
     """The Action subclass annotating the `action` parameter of an in-process environment's step, if any."""
     if not isinstance(session, _InProcessSession):
         return None

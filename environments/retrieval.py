@@ -11,9 +11,11 @@ best first. Three ship:
 - `HTTPRetriever`: a client of Search-R1's retrieval-server protocol, which Search-R1 and verl-agent users run:
   `POST /retrieve` with `{"queries": [...], "topk": k, "return_scores": true}`, answered by `{"result": [[{"document":
   {"id": ..., "contents": ...}, "score": ...}, ...], ...]}`, one list per query (without `return_scores` each item is
-  the document itself). Connection errors and 5xx answers are retried, a bounded number of times with a growing pause;
-  a server that stays down, times out or answers something else raises a `RetrieverError` naming the URL and what
-  came back (in an environment pool, that fails the trajectory and the run goes on).
+  the document itself). An outage is waited out: a refused connection or a 5xx answer is tried again with a pause
+  that doubles, for `wait` seconds in all (`gigpo_trl.services.wait_out`, which says while it waits what it waits
+  for); a server that stays down longer, times out (not tried again) or answers something else raises a
+  `RetrieverError` naming the URL and what came back (in an environment pool, that fails the trajectory and the run
+  goes on).
 - `serve`: a small server of that protocol (stdlib `ThreadingHTTPServer`) over a `BM25Retriever`:
   `python -m gigpo_trl.environments.retrieval --corpus corpus.jsonl --port 8000` (host 127.0.0.1 by default).
 
@@ -33,7 +35,6 @@ import json
 import shutil
 import sys
 import tempfile
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -46,6 +47,7 @@ from typing import Any
 import numpy as np
 
 from gigpo_trl.paths import cache_root
+from gigpo_trl.services import DEFAULT_SERVICE_WAIT, ServiceUnavailable, wait_out
 
 STOPWORDS = "en"  # bm25s's English list (search QA's generated names keep every token: tests/test_search_qa.py)
 DEFAULT_TOPK = 3
@@ -255,38 +257,52 @@ class HTTPRetriever:
 
     Args:
         url: the server's endpoint, e.g. "http://127.0.0.1:8000/retrieve".
-        timeout: seconds to wait for an answer (not retried).
-        attempts: tries of a request that meets a connection error or a 5xx answer.
-        backoff: seconds before the second try, doubled before each next one.
+        timeout: seconds to wait for an answer (not retried: a server that hangs would hang again).
+        wait: seconds an outage is waited out (a refused connection, a 5xx answer), tried again with a pause that
+            doubles, before the request fails (`gigpo_trl.services.wait_out`); 0: no second try. The default is
+            long enough for a retrieval server to restart (loading an E5 index takes a minute or more).
     """
 
-    def __init__(self, url: str, *, timeout: float = 30.0, attempts: int = 4, backoff: float = 0.25) -> None:
+    def __init__(self, url: str, *, timeout: float = 30.0, wait: float = DEFAULT_SERVICE_WAIT) -> None:
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"retriever_url must be an http(s) URL (e.g. http://127.0.0.1:8000/retrieve), got {url!r}")
-        if attempts < 1 or timeout <= 0 or backoff < 0:
-            raise ValueError(f"attempts must be >= 1, timeout > 0 and backoff >= 0, got {attempts}, {timeout}, {backoff}")
-        self.url, self.timeout, self.attempts, self.backoff = url, timeout, attempts, backoff
+        if timeout <= 0 or wait < 0:
+            raise ValueError(f"timeout must be > 0 and wait >= 0, got {timeout} and {wait}")
+        self.url, self.timeout, self.wait = url, timeout, wait
 
     def __call__(self, queries: list[str], k: int) -> list[list[Passage]]:
         body = json.dumps({"queries": list(queries), "topk": k, "return_scores": True}).encode()
         request = urllib.request.Request(self.url, data=body, headers={"Content-Type": "application/json"})
-        for attempt in range(1, self.attempts + 1):
-            try:
-                with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                    return _results(response.read(), len(queries), self.url)
-            except urllib.error.HTTPError as exc:
-                if exc.code < 500 or attempt == self.attempts:
-                    raise RetrieverError(f"the retrieval server {self.url} answered HTTP {exc.code}: "
-                                         f"{_excerpt(exc.read())}") from None
-            except OSError as exc:  # urllib's URLError (connection refused, reset, ...) and timeouts
-                reason = getattr(exc, "reason", exc)
-                if isinstance(reason, TimeoutError):  # a server that hangs would hang every attempt
-                    raise RetrieverError(f"the retrieval server {self.url} did not answer within {self.timeout:g} s") from None
-                if attempt == self.attempts:
-                    raise RetrieverError(f"cannot reach the retrieval server {self.url} ({reason}; {self.attempts} "
-                                         "attempts): is it running?") from None
-            time.sleep(self.backoff * 2 ** (attempt - 1))
-        raise AssertionError("unreachable")
+
+        def ask() -> bytes:
+            with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                return response.read()
+
+        try:
+            raw = wait_out(ask, service=f"the retrieval server {self.url}", retry_reason=_outage, wait=self.wait,
+                           call_timeout=self.timeout)
+        except ServiceUnavailable as exc:
+            raise RetrieverError(str(exc)) from None
+        except urllib.error.HTTPError as exc:
+            raise RetrieverError(f"the retrieval server {self.url} answered HTTP {exc.code}: {_excerpt(exc.read())}") from None
+        except OSError as exc:  # urllib's URLError and timeouts, which are not retried
+            raise RetrieverError(f"the retrieval server {self.url} did not answer within {self.timeout:g} s"
+                                 if _timed_out(exc) else f"the retrieval server {self.url} failed: {exc}") from None
+        return _results(raw, len(queries), self.url)
+
+
+def _outage(exc: Exception) -> str | None:
+    """Why a request failed, where trying again may help: a server that refuses connections or answers 5xx (it is
+    restarting, or overloaded); None for a 4xx answer or a timeout (the same again, or another hang)."""
+    if isinstance(exc, urllib.error.HTTPError):
+        return f"HTTP {exc.code}" if exc.code >= 500 else None
+    if isinstance(exc, OSError) and not _timed_out(exc):
+        return str(getattr(exc, "reason", exc))
+    return None
+
+
+def _timed_out(exc: OSError) -> bool:
+    return isinstance(getattr(exc, "reason", exc), TimeoutError)
 
 
 def _results(raw: bytes, count: int, url: str) -> list[list[Passage]]:

@@ -34,7 +34,8 @@ share a step group.
 **Bring your own data**: `qa` (a jsonl file of rows with `question` and `golden_answers`, as Search-R1's) with a corpus
 (`corpus`, Search-R1's `corpus.jsonl`, BM25 in process) or a retrieval server (`retriever_url`), or any `retriever`
 callable (`gigpo_trl.environments.retrieval`); a task's seed picks the row `seed % len(rows)`. Reset options may also
-give one row (`question`, `golden_answers`), and override the world's knobs for one task.
+give one row (`question`, `golden_answers`), and override the world's knobs for one task. An outage of the retrieval
+server is waited out for `retriever_wait` seconds (default 300) before a search fails its trajectory.
 
 `SearchQAToolEnv` is the same task as a TRL environment class (`environment_factory`), with tools `search` and
 `answer`. `oracle_policy` and `memoryless_policy` are scripted players (tests, benches, docs); `play` runs one.
@@ -55,6 +56,7 @@ from gigpo_trl.env_base import BaseTextEnv, is_int
 from gigpo_trl.environments.retrieval import BM25Retriever, HTTPRetriever, Passage, QARow, Retriever, read_qa
 from gigpo_trl.envs import INFO_ANCHOR, INFO_METRICS, INFO_TASK, INFO_TASK_TYPE, INFO_WON
 from gigpo_trl.prompts import PromptTemplate
+from gigpo_trl.services import DEFAULT_SERVICE_WAIT
 
 FAMILIES = ("lookup", "chain", "collect", "compare")
 ANCHORS = ("retrieved", "observation")
@@ -407,10 +409,11 @@ class _Tasks:
         corpus: a Search-R1 corpus file, searched with BM25 in process (`BM25Retriever.from_corpus_file`).
         retriever_url: a Search-R1 retrieval server's `/retrieve` URL (`HTTPRetriever`).
         retriever: any retriever callable.
+        retriever_wait: with `retriever_url`, seconds an outage of the server is waited out before a search fails.
     """
 
     def __init__(self, settings: Mapping[str, Any], qa: str | None, corpus: str | None, retriever_url: str | None,
-                 retriever: Retriever | None) -> None:
+                 retriever: Retriever | None, retriever_wait: float = DEFAULT_SERVICE_WAIT) -> None:
         self.settings = WorldSettings(**settings)
         sources = {"corpus": corpus, "retriever_url": retriever_url, "retriever": retriever}
         given = [name for name, value in sources.items() if value is not None]
@@ -420,7 +423,8 @@ class _Tasks:
             raise ValueError("qa needs passages to search: give corpus, retriever_url or retriever")
         self.rows: list[QARow] = read_qa(qa) if qa is not None else []
         self.retriever = (retriever if retriever is not None else BM25Retriever.from_corpus_file(corpus)
-                          if corpus is not None else HTTPRetriever(retriever_url) if retriever_url is not None else None)
+                          if corpus is not None else HTTPRetriever(retriever_url, wait=retriever_wait) if retriever_url is not None
+                          else None)
 
     def task(self, seed: int | None, options: Mapping[str, Any]) -> tuple[Question, Retriever, World | None]:
         """The question of a task (a seed and options: a QA row's `question` and `golden_answers`, or knobs), the
@@ -468,6 +472,8 @@ class SearchQAEnv(BaseTextEnv):
         top_k: passages a search returns.
         anchor: "retrieved" or "observation" (the module docstring).
         qa, corpus, retriever_url, retriever: bring your own data (the module docstring).
+        retriever_wait: with `retriever_url`, seconds an outage of the server (a refused connection, a 5xx answer) is
+            waited out before a search fails the trajectory (default 300: a server's restart).
         max_steps: the turn limit (4, as the paper's); None for none.
 
     `reset(seed, options)`: options are None, knobs of the world for this task, or a QA row (`question`,
@@ -478,7 +484,8 @@ class SearchQAEnv(BaseTextEnv):
     def __init__(self, *, num_people: int = 10, num_companies: int = 4, num_cities: int = 8, distractors: int = 2,
                  families: Sequence[str] = FAMILIES, collect_size: int = 2, top_k: int = 3, anchor: str = "retrieved",
                  qa: str | None = None, corpus: str | None = None, retriever_url: str | None = None,
-                 retriever: Retriever | None = None, max_steps: int | None = 4) -> None:
+                 retriever: Retriever | None = None, retriever_wait: float = DEFAULT_SERVICE_WAIT,
+                 max_steps: int | None = 4) -> None:
         super().__init__(max_steps=max_steps)
         if not is_int(top_k) or top_k < 1:
             raise ValueError(f"top_k must be an int >= 1, got {top_k!r}")
@@ -487,7 +494,7 @@ class SearchQAEnv(BaseTextEnv):
         self.top_k, self.anchor = top_k, anchor
         settings = dict(num_people=num_people, num_companies=num_companies, num_cities=num_cities,
                         distractors=distractors, families=families, collect_size=collect_size)
-        self._tasks = _Tasks(settings, qa, corpus, retriever_url, retriever)
+        self._tasks = _Tasks(settings, qa, corpus, retriever_url, retriever, retriever_wait)
         self._episode: _Episode | None = None
         self._world: World | None = None
 
@@ -548,14 +555,14 @@ class SearchQAToolEnv:
     """
 
     def __init__(self, *, top_k: int = 3, qa: str | None = None, corpus: str | None = None,
-                 retriever_url: str | None = None, retriever: Retriever | None = None, max_steps: int = 4,
-                 **knobs: Any) -> None:
+                 retriever_url: str | None = None, retriever: Retriever | None = None,
+                 retriever_wait: float = DEFAULT_SERVICE_WAIT, max_steps: int = 4, **knobs: Any) -> None:
         if not is_int(top_k) or top_k < 1:
             raise ValueError(f"top_k must be an int >= 1, got {top_k!r}")
         if not is_int(max_steps) or max_steps < 1:
             raise ValueError(f"max_steps must be an int >= 1, got {max_steps!r}")
         self._top_k, self._max_steps = top_k, max_steps
-        self._tasks = _Tasks(knobs, qa, corpus, retriever_url, retriever)
+        self._tasks = _Tasks(knobs, qa, corpus, retriever_url, retriever, retriever_wait)
         self._episode: _Episode | None = None
         self._turns = 0
         self.done = self.won = False

@@ -14,10 +14,19 @@ Workers are forked by a `ForkServer` (the trainer's, or the pool's own), not by 
 locks that a child forked from it would wait on forever; the server is forked from this process while it runs one
 thread, else started as a fresh interpreter (`gigpo_trl.fork_server`). Every worker reports that it started; one that
 does not within `start_timeout` is killed, counted (`num_start_failures`) and forked again.
+
+An environment that waits out an outage of a service it calls (`gigpo_trl.services.wait_out`) tells the pool so from
+its worker: the step is then given the time of the wait instead of being taken for a hang, and the pool says once per
+batch of requests what its environments wait for, and how the wait ended.
+
+Failures are warned one by one (`EnvironmentFailureWarning`), or, with `warn_each_failure=False` (the trainer's pools),
+left to the caller to report once a rollout: the trajectories' reasons are in their outputs, and the resets that
+failed and were tried again are counted in `retried_resets` (`take_retried_resets`).
 """
 
 from __future__ import annotations
 
+import functools
 import gc
 import math
 import multiprocessing
@@ -27,6 +36,7 @@ import pickle
 import signal
 import time
 import warnings
+from collections import Counter
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
@@ -34,6 +44,7 @@ from gigpo_trl.envs import ANCHOR_KINDS, INFO_ANCHOR_KIND, EnvOutput, TextEnv
 from gigpo_trl.fork_server import ForkServer, release_inherited_sockets, threads_at_fork
 from gigpo_trl.metric_names import ENV_ERROR_SHARE
 from gigpo_trl.observations import split_observation
+from gigpo_trl.services import ServiceWait, logger, waits_reported_to
 from gigpo_trl.tasks import Task
 
 INFO_ENV_ERROR = "env_error"
@@ -71,6 +82,8 @@ class EnvPool:
         fork_server: the fork server of the pool's owner (`GiGPOTrainer` starts one before any thread of its own);
             the pool does not close it. Without one the pool starts its own (`ForkServer`'s "auto" start method).
         name: the environment's name, used in warnings.
+        warn_each_failure: warn of every failure as it happens (True), or leave the report to the caller (the reasons
+            are in the outputs; resets tried again are counted in `retried_resets`).
     """
 
     def __init__(
@@ -87,6 +100,7 @@ class EnvPool:
         start_timeout: float = 20.0,
         fork_server: ForkServer | None = None,
         name: str | None = None,
+        warn_each_failure: bool = True,
     ):
         if num_groups < 1 or group_size < 1:
             raise ValueError(f"num_groups and group_size must be >= 1, got {num_groups} and {group_size}")
@@ -102,6 +116,8 @@ class EnvPool:
         self.processes = processes
         self.name = name or getattr(env_fn, "__name__", repr(env_fn))
         self.num_restarts = self.num_start_failures = 0
+        self.warn_each_failure = warn_each_failure
+        self.retried_resets: Counter[str] = Counter()  # reason -> resets that failed and were tried again
         self._last_observations: list[tuple[str, tuple[Any, ...]]] = [("", ())] * self.num_envs
         if processes:
             method = start_method or ("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
@@ -119,6 +135,11 @@ class EnvPool:
 
     def group_of(self, env_id: int) -> int:
         return env_id // self.group_size
+
+    def take_retried_resets(self) -> Counter[str]:
+        """The resets that failed and were tried again since the last call, by reason; the count starts afresh."""
+        retried, self.retried_resets = self.retried_resets, Counter()
+        return retried
 
     def reset(self, tasks: Sequence[Task]) -> list[EnvOutput]:
         """Reset all G x N environments, N copies per task; returns one output per environment.
@@ -175,6 +196,8 @@ class EnvPool:
             pending = [i for i in pending if INFO_ENV_ERROR in outputs[i].info]
             if not pending:
                 break
+            if attempt < self.reset_attempts:
+                self.retried_resets.update(outputs[i].info[INFO_ENV_ERROR] for i in pending)
         if self.reset_attempts > 1:
             for i in pending:
                 outputs[i].info[INFO_ENV_ERROR] += f" (the reset failed all {self.reset_attempts} attempts)"
@@ -193,43 +216,59 @@ class EnvPool:
             else:
                 text, images = self._last_observations[i]
                 outputs[i] = EnvOutput(text, truncated=True, info={INFO_ENV_ERROR: payload}, images=images)
-                warnings.warn(f"environment {self.name!r} #{i} failed and {then}: {payload}", EnvironmentFailureWarning,
-                              stacklevel=stacklevel)
+                if self.warn_each_failure:
+                    warnings.warn(f"environment {self.name!r} #{i} failed and {then}: {payload}",
+                                  EnvironmentFailureWarning, stacklevel=stacklevel)
         return outputs
 
     def _run_inline(self, requests: dict[int, tuple[str, Any]]) -> dict[int, tuple[str, Any]]:
-        replies = {}
+        replies, waits = {}, _Waits(self.name)
         for i, (command, argument) in requests.items():
             try:
-                if self._inline_envs[i] is None:
-                    self._inline_envs[i] = self.env_fn()
-                replies[i] = ("ok", _execute(self._inline_envs[i], command, argument))
+                with waits_reported_to(functools.partial(waits.heard, i)):
+                    if self._inline_envs[i] is None:
+                        self._inline_envs[i] = self.env_fn()
+                    replies[i] = ("ok", _execute(self._inline_envs[i], command, argument))
             except Exception as exc:  # an environment's failure ends only its own trajectory
                 replies[i] = ("error", _describe(exc))
                 self._inline_envs[i] = None
                 self.num_restarts += 1
+        waits.ended(replies)
         return replies
 
     def _run_in_processes(self, requests: dict[int, tuple[str, Any]], timeout: float) -> dict[int, tuple[str, Any]]:
-        replies, pending = {}, {}
+        """Each environment's reply within `timeout` seconds, or within the time of the service waits it reports."""
+        replies, pending, waits = {}, {}, _Waits(self.name)
         for i, request in requests.items():
             if self._workers[i].send(request):
                 pending[self._workers[i].connection] = i
             else:
                 replies[i] = ("error", self._replace_worker(i, "worker process was dead before the request", died=True))
-        deadline = time.monotonic() + timeout
-        while pending and (remaining := deadline - time.monotonic()) > 0:
-            for connection in multiprocessing.connection.wait(list(pending), timeout=remaining):
-                i = pending.pop(connection)
+        now = time.monotonic()
+        deadlines = {i: now + timeout for i in pending.values()}
+        while pending:
+            remaining = min(deadlines[i] for i in pending.values()) - time.monotonic()
+            for connection in multiprocessing.connection.wait(list(pending), timeout=max(remaining, 0)):
+                i = pending[connection]
                 reply = self._workers[i].receive()
+                if reply is not None and reply[0] == "waiting":  # a service outage, waited out: not a hang
+                    waits.heard(i, reply[1])
+                    wait = reply[1]
+                    deadlines[i] = max(deadlines[i], time.monotonic() + wait.seconds_left + wait.call_timeout + timeout)
+                    continue
+                del pending[connection]
                 if reply is None:
                     replies[i] = ("error", self._replace_worker(i, "worker process died", died=True))
                 elif reply[0] == "error":  # the environment may be in any state now: start afresh
                     replies[i] = ("error", self._replace_worker(i, reply[1]))
                 else:
                     replies[i] = reply
-        for i in pending.values():
-            replies[i] = ("error", self._replace_worker(i, f"no answer within {timeout:g} s (hung)"))
+            now = time.monotonic()
+            for connection, i in [(c, i) for c, i in pending.items() if deadlines[i] <= now]:
+                del pending[connection]
+                after = " after the service wait it reported" if i in waits.envs else ""
+                replies[i] = ("error", self._replace_worker(i, f"no answer within {timeout:g} s{after} (hung)"))
+        waits.ended(replies)
         return replies
 
     def _replace_worker(self, env_id: int, reason: str, died: bool = False) -> str:
@@ -320,6 +359,36 @@ class EnvPool:
                 )
 
 
+class _Waits:
+    """The service waits the environments of one batch of requests report (`gigpo_trl.services`): the first wait for
+    each service said as it starts, and how the batch's waits for it ended said once."""
+
+    def __init__(self, env_name: str) -> None:
+        self.env_name = env_name
+        self.waiting: dict[str, list[int]] = {}  # service -> the environments that waited for it
+        self.answered: dict[str, set[int]] = {}  # service -> those it answered again
+
+    @property
+    def envs(self) -> set[int]:
+        return {i for envs in self.waiting.values() for i in envs}
+
+    def heard(self, env_id: int, wait: ServiceWait) -> None:
+        if wait.seconds_left == 0:
+            self.answered.setdefault(wait.service, set()).add(env_id)
+            return
+        if wait.service not in self.waiting:
+            logger.warning(f"environment {self.env_name!r} #{env_id}: {wait.message}")
+        self.waiting.setdefault(wait.service, []).append(env_id)
+
+    def ended(self, replies: Mapping[int, tuple[str, Any]]) -> None:
+        for service, envs in self.waiting.items():
+            answered = self.answered.get(service, set())
+            failed = [i for i in envs if i not in answered and replies.get(i, ("error",))[0] == "error"]
+            outcome = (f"{len(envs) - len(failed)} went on" + (f", {len(failed)} failed (the wait's bound passed)"
+                                                               if failed else ""))
+            logger.warning(f"environment {self.env_name!r}: {len(envs)} environment(s) waited for {service}: {outcome}")
+
+
 def _execute(env: TextEnv, command: str, argument: Any) -> EnvOutput:
     """Run one reset or step on `env` and normalize what it returns."""
     if command == "reset":
@@ -398,9 +467,10 @@ def _serve(connection: multiprocessing.connection.Connection, env_fn: Callable[[
                 env.close()
             return
         try:
-            if env is None:
-                env = env_fn()
-            reply = pickle.dumps(("ok", _execute(env, command, argument)))
+            with waits_reported_to(lambda wait: connection.send_bytes(pickle.dumps(("waiting", wait)))):
+                if env is None:
+                    env = env_fn()
+                reply = pickle.dumps(("ok", _execute(env, command, argument)))
         except Exception as exc:  # reported to the pool, which restarts this worker
             reply = pickle.dumps(("error", _describe(exc)))
         connection.send_bytes(reply)

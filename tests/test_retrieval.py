@@ -8,6 +8,8 @@ import json
 import re
 import subprocess
 import sys
+import threading
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -127,19 +129,53 @@ def test_a_request_that_does_not_fit_is_answered_400_saying_why(server_url, body
     assert status == 400 and answer["error"].startswith(message)
 
 
-def test_a_server_that_is_down_is_named_after_a_bounded_number_of_attempts():
+def closed_port_url() -> tuple[str, int]:
+    """The URL of the retrieval endpoint on a port that was free a moment ago and where nothing listens now."""
     server = serve(BM25Retriever(read_corpus(CORPUS)), port=0)
-    url = f"http://127.0.0.1:{server.server_address[1]}/retrieve"
-    server.server_close()  # bound, then closed: nothing listens there
+    port = server.server_address[1]
+    server.server_close()
+    return f"http://127.0.0.1:{port}/retrieve", port
 
-    with pytest.raises(RetrieverError, match=rf"cannot reach the retrieval server {url} \(.*; 3 attempts\): is it running"):
-        HTTPRetriever(url, attempts=3, backoff=0.01)(["Odile"], 3)
+
+def test_a_server_that_stays_down_is_waited_for_then_named(caplog):
+    url, _ = closed_port_url()
+    with pytest.raises(RetrieverError, match=rf"the retrieval server {url} is unavailable \(.*refused.*\), still after "
+                                             r"1 s of waiting \(the wait's bound: 1 s\): is it running"):
+        HTTPRetriever(url, wait=1.0)(["Odile"], 3)
+    (said,) = [r.message for r in caplog.records if r.name == "gigpo_trl"]  # said once, as the wait started
+    assert said.startswith(f"the retrieval server {url} is unavailable (")
+    assert said.endswith("): waiting up to 1 s for it")
+
+
+def test_a_server_that_comes_back_within_the_wait_is_answered_as_if_it_never_left(caplog):
+    url, port = closed_port_url()
+    retriever = BM25Retriever(read_corpus(CORPUS))
+    restarted = []
+
+    def restart() -> None:
+        server = serve(retriever, port=port)
+        restarted.append(server)
+        server.serve_forever(poll_interval=0.05)
+
+    timer = threading.Timer(1.5, restart)
+    timer.start()
+    try:
+        assert HTTPRetriever(url, wait=30.0)(["Odile Stroame"], 2) == retriever(["Odile Stroame"], 2)
+    finally:
+        while timer.is_alive() and not restarted:
+            time.sleep(0.05)
+        restarted[0].shutdown()  # serve_forever returns, and the timer's thread with it
+        timer.join()
+        restarted[0].server_close()
+    said = [r.message for r in caplog.records if r.name == "gigpo_trl"]
+    assert len(said) == 2 and "is unavailable" in said[0] and re.fullmatch(
+        rf"the retrieval server {re.escape(url)} answers again \(after \d+\.\d s\)", said[1])
 
 
 def test_a_5xx_answer_is_retried_and_garbage_is_refused_naming_the_url_and_what_came_back():
     good = json.dumps({"result": [[{"id": "7", "contents": '"A"\nText.'}]]}).encode()
     with scripted_server((503, b"busy"), (200, good)) as url:
-        assert HTTPRetriever(url, backoff=0.01)(["A"], 1) == [[Passage("7", '"A"\nText.', 0.0)]]
+        assert HTTPRetriever(url, wait=5.0)(["A"], 1) == [[Passage("7", '"A"\nText.', 0.0)]]
 
     for body, what in [(b"<html>oops</html>", "something that is not JSON"),
                        (b'{"result": []}', "no list of 1 result lists"),
