@@ -172,6 +172,15 @@ class GiGPOConfig(GRPOConfig):
                   "episode's first turn, so they add no generation call. An evaluation reports the tasks that still "
                   "could not be played (eval_env/panel_unplayed) and leaves them out of its figures."},
     )
+    stop_after_failed_rollouts: int = field(
+        default=3,
+        metadata={"help": "Training rollouts in a row in which every trajectory failed by its environment (raised, "
+                  "crashed, hung, could not start, or a service it calls stayed down past its wait; "
+                  "env/env_error_share 1.0) after which the run saves a checkpoint and stops with an error that names "
+                  "the environment, the reasons and how to resume. The updates of such rollouts train on nothing and do "
+                  "not step the optimizer. 0: never stop. Rollouts where some trajectories played go on as usual (the "
+                  "failed ones end; the share is logged)."},
+    )
     log_trajectories: int = field(
         default=8,
         metadata={"help": "Episodes of each rollout written to output_dir/gigpo/trajectories for the run report's "
@@ -378,6 +387,8 @@ class GiGPOConfig(GRPOConfig):
             problems.append(f"step_advantage_lambda={lam!r} must be a number in [0, 1]")
         if self.max_env_steps < 1:
             problems.append(f"max_env_steps={self.max_env_steps} must be >= 1")
+        if self.stop_after_failed_rollouts < 0:
+            problems.append(f"stop_after_failed_rollouts={self.stop_after_failed_rollouts} must be >= 0 (0: never stop)")
         if self.log_trajectories < 0:
             problems.append(f"log_trajectories={self.log_trajectories} must be >= 0")
         if self.tool_anchor not in TOOL_ANCHOR_MODES:

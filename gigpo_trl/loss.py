@@ -160,6 +160,7 @@ class GiGPOLossMixin:
         self._rollout_entropy_bonus, self._entropy_bonus_enabled = self._entropy_bonus_enabled, False
         self._loss_entropies: torch.Tensor | None = None  # of the loss's latest forward pass
         self._pass_counts: list[tuple[int, int]] = []  # real rows and tokens (all processes) of a micro-batch's passes
+        self._update_without_trajectories = False  # the rollout of this update: every trajectory failed by its env
         problem = packing_problem(self.model.config, self.accelerator.device.type) if self.args.packed_update else None
         self._packed_update = self.args.packed_update and problem is None
         # The rows of a rollout can be ordered by prompt in place of TRL's shuffle (more sharing per micro-batch) where
@@ -188,6 +189,12 @@ class GiGPOLossMixin:
         memory of one pass."""
         if not self.model.training:
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        if self._update_without_trajectories and not self.is_deepspeed_enabled:
+            # Every trajectory of the rollout failed by its environment, on every process: a loss with no path to the
+            # parameters leaves their gradients unset, so the optimizer step moves nothing (AdamW skips a parameter
+            # without a gradient; on zero gradients its momentum would still move the weights). DeepSpeed's engine
+            # takes no such loss and steps on its own: there the update runs on the zero-weight rows.
+            return torch.zeros((), device=self.accelerator.device, requires_grad=True)
         loss = self._loss_in_passes(model, inputs, self.args.max_step_samples_per_micro_batch, backward=True)
         if self._rollout_entropy_bonus and self.use_adaptive_entropy and self.accelerator.sync_gradients:
             self._adapt_entropy_coef()

@@ -4,7 +4,10 @@
     OUTPUT_DIR/gigpo/iterations.jsonl            one JSON object per rollout (train and eval):
         {"step": int, "mode": "train" | "eval", "rollout": int (count per mode), "metrics": {name: float},
          "step_group_sizes": {size: number of step groups of that size},
-         "advantage_bins": [edges], "episode_advantage_counts": [...], "step_advantage_counts": [...]}
+         "advantage_bins": [edges], "episode_advantage_counts": [...], "step_advantage_counts": [...],
+         "env_failures": {"trajectories": int, "failed": int,        (only for a rollout with environment failures)
+                          "reasons": [{"reason": str, "trajectories": ["#3", ...]}],
+                          "retried_resets": [{"reason": str, "count": int}]}}
     OUTPUT_DIR/gigpo/evaluations.jsonl           one JSON object per evaluation (all its rollouts, each task once):
         {"step": int, "panel": str | null (the eval_dataset's name; null: the trainer's one eval_dataset),
          "copies": int (per task), "decoding": "greedy" | "sampled",
@@ -63,11 +66,14 @@ UPDATE_METRICS = ("loss", "entropy", "grad_norm", GRAD_NORM_SPIKE, "learning_rat
 
 
 def iteration_record(step: int, mode: str, rollout: int, metrics: dict[str, float],
-                     parts: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> dict[str, Any]:
+                     parts: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]],
+                     env_failures: dict[str, Any] | None = None) -> dict[str, Any]:
     """One rollout's record, from the (step_group_sizes, episode_advantages, step_advantages) of each process's
-    advantages, one entry per step sample each."""
+    advantages, one entry per step sample each, with its environment failures where there were any
+    (`gigpo_trl.env_failures.RolloutFailures.record`)."""
     sizes, episode_advantages, step_advantages = (np.concatenate([np.asarray(part[k]) for part in parts]) for k in range(3))
     rows_per_size = Counter(int(size) for size in sizes)
+    failures = {"env_failures": env_failures} if env_failures else {}
     return {
         "step": step,
         "mode": mode,
@@ -77,6 +83,7 @@ def iteration_record(step: int, mode: str, rollout: int, metrics: dict[str, floa
         "advantage_bins": ADVANTAGE_BINS.tolist(),
         "episode_advantage_counts": _histogram(episode_advantages),
         "step_advantage_counts": _histogram(step_advantages),
+        **failures,
     }
 
 

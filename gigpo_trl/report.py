@@ -149,7 +149,7 @@ def write_report(output_dir: str | Path, max_rollouts: int = DEFAULT_ROLLOUTS_SH
         captions[DYNAMIC_SAMPLING_CAPTION[0]] = DYNAMIC_SAMPLING_CAPTION[1]
 
     page = _page(Path(output_dir), records, _trajectory_viewer(records, read_trajectories(output_dir), max_rollouts),
-                 captions, _health_warnings(updates) + _unplayed_tasks(evaluations))
+                 captions, _health_warnings(updates) + _unplayed_tasks(evaluations) + _environment_failures(records))
     (report_dir / "index.html").write_text(page, encoding="utf-8")
     return report_dir
 
@@ -422,6 +422,26 @@ def _unplayed_tasks(evaluations: list[dict[str, Any]]) -> str:
             + "\n".join(items) + "</ul></div>\n")
 
 
+def _environment_failures(records: list[dict[str, Any]]) -> str:
+    """Per rollout with environment failures (its record's `env_failures`), how many trajectories failed and why, each
+    reason once; "" when no rollout had any."""
+    items = []
+    for record in records:
+        failures = record.get("env_failures")
+        if not failures:
+            continue
+        reasons = "; ".join(f"{len(entry['trajectories'])} x {_escape(entry['reason'])} (the first: "
+                            f"{_escape(entry['trajectories'][0])})" for entry in failures["reasons"])
+        resets = "; ".join(f"{entry['count']} x {_escape(entry['reason'])}" for entry in failures["retried_resets"])
+        items.append(f"<li>{MODE_NAMES[record['mode']].lower()} rollout of step {record['step']}: {failures['failed']} of "
+                     f"{failures['trajectories']} trajectories failed" + (f": {reasons}" if reasons else "")
+                     + (f"; resets tried again: {resets}" if resets else "") + "</li>")
+    if not items:
+        return ""
+    return ('<div class="failures"><p>Environment failures (each failed trajectory ended there; every one is listed '
+            'under its reason in gigpo/iterations.jsonl):</p>\n<ul>' + "\n".join(items) + "</ul></div>\n")
+
+
 def _metrics_table(records: list[dict[str, Any]]) -> str:
     """The key metrics of the last training and the last evaluation rollout, side by side."""
     latest = {record["mode"]: record for record in records}
@@ -576,7 +596,7 @@ summary { cursor: pointer; }
 pre { margin: 0; white-space: pre-wrap; word-break: break-word; max-height: 20em; overflow: auto; font-size: 0.85em; }
 tr.invalid { background: #fff3f3; }
 tr.mapped { background: #fffbea; }
-.unplayed, .health { border: 2px solid #c60; background: #fff6e8; padding: 0 1em; }
+.unplayed, .health, .failures { border: 2px solid #c60; background: #fff6e8; padding: 0 1em; }
 tr.revisit td:nth-child(5) { background: #fff1c2; font-weight: bold; }
 .won { color: #17702a; font-weight: bold; }
 .lost { color: #a33; }

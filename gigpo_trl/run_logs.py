@@ -18,6 +18,7 @@ from accelerate.utils import gather_object
 
 from gigpo_trl.advantages import GiGPOAdvantages
 from gigpo_trl.dynamic_sampling import SamplingCounts, StdFilterCounts
+from gigpo_trl.env_failures import RolloutFailures
 from gigpo_trl.health import HEALTH_METRICS, HealthWarning, TrainingHealth
 from gigpo_trl.metric_names import (
     CONTEXT_OVERFLOW_SHARE, EXTRA_ROUNDS, GRAD_NORM_SPIKE, GROUPS_DROPPED, GROUPS_KEPT, GROUPS_MISSING, GROUPS_ROLLED,
@@ -178,12 +179,15 @@ class RunLogsMixin:
                                                     self.max_completion_length), stacklevel=2)
         return metrics
 
-    def _write_records(self, mode: str, metrics: dict[str, float], rollout: Rollout, gigpo: GiGPOAdvantages) -> None:
-        """The rollout's record and sample episodes for the run report (see `gigpo_trl.records`)."""
+    def _write_records(self, mode: str, metrics: dict[str, float], rollout: Rollout, gigpo: GiGPOAdvantages,
+                       failures: RolloutFailures) -> None:
+        """The rollout's record (its environment failures with it, where there were any) and sample episodes for the
+        run report (see `gigpo_trl.records`)."""
         parts = gather_object([(gigpo.step_group_sizes, gigpo.episode_advantages, gigpo.step_advantages)])
         if self.accelerator.is_main_process:
             self._open_records(self.args.resume_from_checkpoint)
-            record = iteration_record(self.state.global_step, mode, self._rollouts_recorded[mode], metrics, parts)
+            record = iteration_record(self.state.global_step, mode, self._rollouts_recorded[mode], metrics, parts,
+                                      env_failures=failures.record() if failures else None)
             self._rollouts_recorded[mode] += 1
             write_records(self.args.output_dir, record, episode_records(rollout, gigpo, self.args.log_trajectories))
 

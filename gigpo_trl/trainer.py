@@ -7,20 +7,23 @@ import multiprocessing
 import os
 import textwrap
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from accelerate.utils import gather_object
 from datasets import Dataset
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
 
-from gigpo_trl.advantages import GiGPOAdvantages, compute_gigpo_advantages
+from gigpo_trl.advantages import GiGPOAdvantages, anchor_step_groups, compute_gigpo_advantages
 from gigpo_trl.batch import loss_batch, rows_for_update
 from gigpo_trl.config import GiGPOConfig
 from gigpo_trl.dialogue import Dialogue, TextDialogue
 from gigpo_trl.dynamic_sampling import extra_task_rows, filter_by_return_std, sample_groups
-from gigpo_trl.env_pool import EnvPool
+from gigpo_trl.env_failures import EnvironmentUnavailableError, FailureStreak, RolloutFailures, merge
+from gigpo_trl.env_pool import INFO_ENV_ERROR, EnvironmentFailureWarning, EnvPool
 from gigpo_trl.envs import TextEnv, env_factory
 from gigpo_trl.fork_server import ForkServer
 from gigpo_trl.generation import (
@@ -191,6 +194,8 @@ class GiGPOTrainer(GiGPOLossMixin, RunLogsMixin, GRPOTrainer):
         self._setup_run_logs()
         self._pools: dict[str, EnvPool] = {}
         self.last_rollout: Rollout | None = None  # the latest rollout of this process (trajectories, for reports)
+        self._failure_streak = FailureStreak(args.stop_after_failed_rollouts)
+        self._check_first_reset()
 
     def _turn_generator(self, *, conversation: bool) -> TurnGenerator:
         """The turn (`gigpo_trl.turns`): prompts rendered with the chat template TRL renders them with (in conversation
@@ -261,6 +266,10 @@ class GiGPOTrainer(GiGPOLossMixin, RunLogsMixin, GRPOTrainer):
                 rollout, samples, self.args.reward_std_filter_ratio, seed=self.args.seed, step=self.state.global_step,
                 process=self.accelerator.process_index, gather=lambda stds: gather_object([stds]))
         self.last_rollout = rollout
+        failures = self._rollout_failures(pool, rollout)
+        # A training rollout in which every trajectory failed by its environment trains on nothing: its update does
+        # not step the optimizer (`compute_loss`).
+        self._update_without_trajectories = mode == "train" and failures.all_failed
 
         # 4. Rows: every sample, then zero-weight padding so that every process has the same number of rows,
         #    divisible by steps_per_generation. (The memory bound splits the loss's passes, not the samples:
@@ -284,12 +293,57 @@ class GiGPOTrainer(GiGPOLossMixin, RunLogsMixin, GRPOTrainer):
         update_samples = [r for r, w in zip(rows, weights) if w]
         metrics = self._log_rollout_metrics(mode, rollout, gigpo, times, update_seconds, update_samples, sampling,
                                             std_filter)
-        self._write_records(mode, metrics, rollout, gigpo)
+        self._report_failures(mode, failures)
+        self._write_records(mode, metrics, rollout, gigpo, failures)
         if self.log_completions:
             self._log_step_samples(rollout, gigpo.advantages)
         if mode == "train":
             self._last_rollout_end, self._seconds_outside_updates = time.perf_counter(), 0.0
+            if self._failure_streak.add(self.state.global_step, failures):
+                self._stop_unable_to_play()
         return batch
+
+    def _rollout_failures(self, pool: EnvPool, rollout: Rollout) -> RolloutFailures:
+        """The environment failures of the rollout (every round of dynamic sampling), over all processes."""
+        process = self.accelerator.process_index if self.accelerator.num_processes > 1 else None
+        return merge(gather_object([RolloutFailures.of(rollout.episodes, pool.take_retried_resets(), process)]))
+
+    def _report_failures(self, mode: str, failures: RolloutFailures) -> None:
+        """Say a rollout's environment failures once (the pools do not warn of each)."""
+        if failures and self.accelerator.is_main_process:
+            what = f"the {'training' if mode == 'train' else 'held-out'} rollout of step {self.state.global_step}"
+            warnings.warn(failures.message(self.env_name, what), EnvironmentFailureWarning, stacklevel=3)
+
+    def _stop_unable_to_play(self) -> None:
+        """Save a checkpoint and stop the run: every trajectory of `stop_after_failed_rollouts` training rollouts in a
+        row failed by its environment."""
+        self._save_checkpoint(self.model_wrapped, trial=None)
+        checkpoint = os.path.join(self.args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        self.close_environments()
+        raise EnvironmentUnavailableError(self._failure_streak.stop_message(self.env_name, checkpoint))
+
+    def _check_first_reset(self) -> None:
+        """What one environment's reset can tell is checked before any rollout, with the messages a rollout would give:
+        anchors that are not text under `similarity_threshold`, image observations for a model that reads text only,
+        tools a chat template cannot render (the first prompt is rendered). The first task of the training set (else
+        the held-out set) is reset once, in a worker as a rollout would; a reset that fails tells nothing, and the
+        rollout reports it."""
+        dataset = self.train_dataset if self.train_dataset is not None and len(self.train_dataset) else self.eval_dataset
+        if dataset is None or isinstance(dataset, dict) or not len(dataset):
+            return
+        (task,) = self._tasks([dataset[0]], 1, "train" if dataset is self.train_dataset else "eval")
+        pool = EnvPool(env_factory(self.env, **self.args.env_kwargs), 1, 1, step_timeout=self.args.step_timeout,
+                       reset_attempts=1, processes=self.args.env_processes, fork_server=self._fork_server,
+                       name=self.env_name, warn_each_failure=False)
+        try:
+            (start,) = pool.reset([task])
+        finally:
+            pool.close()
+        if INFO_ENV_ERROR in start.info:
+            return
+        if self.args.similarity_threshold is not None:
+            anchor_step_groups([0], [start.anchor], [0], self.args.similarity_threshold)  # raises for a non-text anchor
+        self.turns.render([self.dialogue.prompt(start, start, [], 0)], [self.dialogue.tools(start)])
 
     def _tasks(self, rows: list[dict[str, Any]], group_size: int, mode: str, round_: int = 0) -> list[Task]:
         """The tasks of a batch of rows, `group_size` consecutive copies of each. Rows in TRL's shape get fresh seeds
@@ -376,6 +430,7 @@ class GiGPOTrainer(GiGPOLossMixin, RunLogsMixin, GRPOTrainer):
                 processes=self.args.env_processes,
                 fork_server=self._fork_server,
                 name=self.env_name,
+                warn_each_failure=False,  # said once a rollout (`_report_failures`)
             )
             self._pools[mode] = pool
         return pool

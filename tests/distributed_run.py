@@ -35,7 +35,7 @@ import torch
 from accelerate.utils import gather_object
 from datasets import Dataset
 from scripted_policy import scripted_tool_trainer, scripted_trainer
-from toy_envs import BadAnchorOnRank1, Corridor, UnwinnableOnRank1
+from toy_envs import BadAnchorOnRank1, Corridor, FailsOnStep, UnwinnableOnRank1
 from toy_tool_envs import IncrementEnv
 from trainer_helpers import backend_facts, engineless_vllm_backend
 
@@ -54,10 +54,13 @@ def main(options: argparse.Namespace) -> None:
     register_env("corridor", Corridor, overwrite=True)
     register_env("bad_anchor_on_rank_1", BadAnchorOnRank1, overwrite=True)
     register_env("unwinnable_on_rank_1", UnwinnableOnRank1, overwrite=True)
+    register_env("fails_on_step", FailsOnStep, overwrite=True)
     sampling = ({"dynamic_sampling_max_rounds": 2, "invalid_action_penalty": 0.0}
                 if options.env_name == "unwinnable_on_rank_1" else {})
     if options.reward_std_filter_ratio is not None:
         sampling["reward_std_filter_ratio"] = options.reward_std_filter_ratio
+    if options.env_name == "fails_on_step":  # every update trains on nothing: the run goes on to max_steps
+        sampling["stop_after_failed_rollouts"] = 0
     config = GiGPOConfig(
         output_dir=options.output_dir, env_name=options.env_name, num_generations=2, steps_per_generation=1,
         gradient_accumulation_steps=1, per_device_train_batch_size=TRAJECTORIES // _world_size(),
@@ -90,7 +93,7 @@ def main(options: argparse.Namespace) -> None:
     after = parameter_snapshot(trainer.model)
     rollouts = {"train": rollout_facts(trainer)}
     evaluation = {}
-    if options.env_name != "tool_counter" and not sampling:
+    if options.env_name not in ("tool_counter", "fails_on_step") and not sampling:
         evaluation = trainer.evaluate()
         rollouts["eval"] = rollout_facts(trainer)
     trainer.close_environments()

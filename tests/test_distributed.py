@@ -145,3 +145,13 @@ def test_reward_std_filtering_ranks_the_groups_of_both_processes_together(tmp_pa
         assert log["grad_norm"] > 0 and math.isfinite(log["loss"])
     calls = written["rollouts"]["train"]["generate_calls"]
     assert calls == [15, 15]  # rank 1's episodes ended after 12 turns; it kept generating with rank 0
+
+
+@pytest.mark.timeout(300)
+def test_updates_whose_every_trajectory_failed_on_both_processes_move_no_weight(tmp_path, tiny_model_path):
+    # Every step of tests/toy_envs.py's FailsOnStep raises (a service it needs is down), on both processes; the run goes
+    # on (stop_after_failed_rollouts=0) and its 2 updates train on nothing: no optimizer step moves a weight.
+    written = finished_run(torchrun(2), tiny_model_path, tmp_path, "fails_on_step")
+    assert [(log["env/env_error_share"], log["grad_norm"]) for log in written["logs"]] == [(1.0, 0.0), (1.0, 0.0)]
+    parameters = torch.load(tmp_path / "parameters.pt")
+    assert all(torch.equal(parameters["before"][name], parameters["after"][name]) for name in parameters["before"])

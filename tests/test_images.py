@@ -192,12 +192,10 @@ def vision_model(request, tiny_vlm_path) -> tuple[str, Any]:
     return (tiny_vlm_path, None) if request.param == "llava" else request.getfixturevalue("tiny_qwen2_vl")
 
 
-def test_a_text_model_is_refused_image_observations_by_name(tmp_path, tiny_model_path) -> None:
-    trainer = GiGPOTrainer(tiny_model_path, args=cpu_config(tmp_path, env_name="visual_sokoban", max_env_steps=2),
-                           train_dataset=task_dataset(range(8)))
+def test_a_text_model_is_refused_image_observations_by_name_before_any_rollout(tmp_path, tiny_model_path) -> None:
     with pytest.raises(ValueError, match="returned image observations, but the model reads text only"):
-        trainer.train()
-    trainer.close_environments()
+        GiGPOTrainer(tiny_model_path, args=cpu_config(tmp_path, env_name="visual_sokoban", max_env_steps=2),
+                     train_dataset=task_dataset(range(8)))
 
 
 def row_image_inputs(batch: dict[str, Any], row: int) -> dict[str, Any]:

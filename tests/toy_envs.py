@@ -127,6 +127,13 @@ class BadAnchorOnRank1(Corridor):
         return info
 
 
+class FailsOnStep(Corridor):
+    """A corridor whose every step raises (a service it calls is down): every trajectory fails at its first step."""
+
+    def step(self, action):
+        raise ConnectionError("the corridor's service is down")
+
+
 class UnwinnableOnRank1(Corridor):
     """On the process of rank 1 of a distributed run, every corridor is 40 cells long, whatever its task: no copy
     finishes one within a short step limit, so that process's task groups carry no signal, in every round."""
