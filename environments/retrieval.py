@@ -137,21 +137,50 @@ def _jsonl(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
             yield number, row
 
 
+@dataclass(frozen=True)
+class Analyzer:
+    """How BM25 reads text: `stopwords` (bm25s's list by name, e.g. "en", or the words), `stemmer` (a PyStemmer
+    algorithm, e.g. "porter"; None: no stemming), and BM25's `k1` and `b` (bm25s's "lucene" scoring). The default is
+    search QA's: bm25s's English stopwords, no stemming, k1 1.5 and b 0.75."""
+
+    stopwords: str | tuple[str, ...] = STOPWORDS
+    stemmer: str | None = None
+    k1: float = 1.5
+    b: float = 0.75
+
+    def tokens(self, texts: Sequence[str]) -> list[list[str]]:
+        """The BM25 tokens of each text: lower-case words of two characters or more, less the stopwords, stemmed."""
+        import bm25s  # noqa: PLC0415 (imported where retrieval runs)
+
+        return bm25s.tokenize(list(texts), stopwords=self._stopwords, stemmer=self._stem, return_ids=False,
+                              show_progress=False)
+
+    def index(self, texts: Sequence[str]) -> Any:
+        """A `bm25s.BM25` index of the texts."""
+        import bm25s  # noqa: PLC0415
+
+        index = bm25s.BM25(k1=self.k1, b=self.b)
+        index.index(bm25s.tokenize(list(texts), stopwords=self._stopwords, stemmer=self._stem, show_progress=False),
+                    show_progress=False)
+        return index
+
+    @property
+    def _stopwords(self) -> str | list[str]:
+        return self.stopwords if isinstance(self.stopwords, str) else list(self.stopwords)
+
+    @property
+    def _stem(self) -> Callable[[list[str]], list[str]] | None:
+        if self.stemmer is None:
+            return None
+        import Stemmer  # noqa: PLC0415 (PyStemmer)
+
+        return Stemmer.Stemmer(self.stemmer).stemWords
+
+
 def tokenize(texts: Sequence[str]) -> list[list[str]]:
-    """The BM25 tokens of each text: lower case words of two characters or more, less English stopwords."""
-    import bm25s  # noqa: PLC0415 (imported where retrieval runs)
-
-    return bm25s.tokenize(list(texts), stopwords=STOPWORDS, return_ids=False, show_progress=False)
-
-
-def _bm25_index(passages: Sequence[Passage]) -> Any:
-    """A `bm25s.BM25` index of the passages' contents."""
-    import bm25s  # noqa: PLC0415
-
-    index = bm25s.BM25()
-    index.index(bm25s.tokenize([p.contents for p in passages], stopwords=STOPWORDS, show_progress=False),
-                show_progress=False)
-    return index
+    """The BM25 tokens of each text under the default analyzer: lower case words of two characters or more, less
+    English stopwords."""
+    return Analyzer().tokens(texts)
 
 
 class BM25Retriever:
@@ -159,25 +188,31 @@ class BM25Retriever:
 
     Args:
         passages: the corpus, indexed now and kept in memory.
+        analyzer: how the passages and the queries are read (default: search QA's, `Analyzer()`).
     """
 
-    def __init__(self, passages: Sequence[Passage]) -> None:
-        self._bm25 = _bm25_index(passages)
+    def __init__(self, passages: Sequence[Passage], analyzer: Analyzer = Analyzer()) -> None:
+        self.analyzer = analyzer
+        self._bm25 = analyzer.index([passage.contents for passage in passages])
         self._ids = [passage.id for passage in passages]
         self._contents: Sequence[str] = [passage.contents for passage in passages]
 
     @classmethod
-    def from_corpus_file(cls, path: str | Path, cache: str | Path | None = None) -> BM25Retriever:
-        """BM25 over a corpus file, indexed once per machine and loaded memory-mapped (see the module docstring).
+    def from_corpus_file(cls, path: str | Path, cache: str | Path | None = None,
+                         analyzer: Analyzer = Analyzer()) -> BM25Retriever:
+        """BM25 over a corpus file, indexed once per machine (per analyzer) and loaded memory-mapped (see the module
+        docstring).
 
         Args:
             path: the corpus (jsonl).
             cache: the folder of saved indexes; default `cache_root() / "bm25"`.
+            analyzer: how the passages and the queries are read.
         """
         import bm25s  # noqa: PLC0415
 
-        folder = _saved_index(Path(path), Path(cache) if cache is not None else cache_root() / "bm25")
+        folder = _saved_index(Path(path), Path(cache) if cache is not None else cache_root() / "bm25", analyzer)
         retriever = cls.__new__(cls)
+        retriever.analyzer = analyzer
         retriever._bm25 = bm25s.BM25.load(folder, mmap=True, show_progress=False)
         retriever._ids = json.loads((folder / "ids.json").read_text())
         retriever._contents = _Lines(folder / "contents.jsonl", np.load(folder / "offsets.npy", mmap_mode="r"))
@@ -187,7 +222,7 @@ class BM25Retriever:
         return len(self._ids)
 
     def __call__(self, queries: list[str], k: int) -> list[list[Passage]]:
-        return [self._top(tokens, k) for tokens in tokenize(queries)]
+        return [self._top(tokens, k) for tokens in self.analyzer.tokens(queries)]
 
     def _top(self, tokens: list[str], k: int) -> list[Passage]:
         known = [token for token in tokens if token in self._bm25.vocab_dict]
@@ -218,13 +253,16 @@ class _Lines:
         return json.loads(self._data[self._offsets[index]:self._offsets[index + 1]].tobytes())
 
 
-def _saved_index(corpus: Path, cache: Path) -> Path:
+def _saved_index(corpus: Path, cache: Path, analyzer: Analyzer) -> Path:
     """The folder of the corpus's saved index in `cache`, built now if no process of this machine built it before
-    (one process builds it, under a file lock; the others wait and load it)."""
+    (one process builds it, under a file lock; the others wait and load it). The default analyzer's folder is named by
+    the corpus's digest alone, another's by the digest of the corpus and the analyzer."""
     digest = hashlib.sha256()
     with open(corpus, "rb") as data:
         for chunk in iter(lambda: data.read(1 << 20), b""):
             digest.update(chunk)
+    if analyzer != Analyzer():
+        digest.update(repr(analyzer).encode())
     folder = cache / digest.hexdigest()
     if folder.is_dir():
         return folder
@@ -232,15 +270,15 @@ def _saved_index(corpus: Path, cache: Path) -> Path:
     with open(cache / f"{folder.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not folder.is_dir():
-            _build_index(read_corpus(corpus), folder)
+            _build_index(read_corpus(corpus), folder, analyzer)
     return folder
 
 
-def _build_index(passages: Sequence[Passage], folder: Path) -> None:
+def _build_index(passages: Sequence[Passage], folder: Path, analyzer: Analyzer) -> None:
     """Save the index, the ids and the contents of `passages` into `folder` (written beside it, then renamed)."""
     building = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f"{folder.name}.building-"))
     try:
-        _bm25_index(passages).save(building, show_progress=False)
+        analyzer.index([passage.contents for passage in passages]).save(building, show_progress=False)
         (building / "ids.json").write_text(json.dumps([passage.id for passage in passages]))
         offsets = [0]
         with open(building / "contents.jsonl", "wb") as contents:

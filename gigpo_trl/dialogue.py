@@ -190,5 +190,6 @@ class TextDialogue:
         return None
 
     def read(self, completion: Completion, start: EnvOutput, current: EnvOutput) -> ParsedAction:
-        tags = (self.template or PromptTemplate()).action_tags
-        return parse_action(completion.text, current.info.get(INFO_ADMISSIBLE_ACTIONS), tags)
+        template = self.template or PromptTemplate()
+        return parse_action(completion.text, current.info.get(INFO_ADMISSIBLE_ACTIONS), template.action_tags,
+                            template.max_action_chars)

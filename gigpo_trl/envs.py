@@ -104,6 +104,13 @@ FOLDS = ("train", "dev", "test")
 DEFAULT_FOLD_STARTS = {"train": 0, "dev": 1_000_000, "test": 2_000_000}
 
 
+def default_fold_seeds(fold: str) -> range:
+    """The seeds of a fold of an environment without folds of its own: disjoint ranges from `DEFAULT_FOLD_STARTS`."""
+    starts = sorted(DEFAULT_FOLD_STARTS.values())
+    start = DEFAULT_FOLD_STARTS[fold]
+    return range(start, next((later for later in starts if later > start), start + 1_000_000))
+
+
 def anchor_of(observation: str, info: Mapping[str, Any], images: tuple[Any, ...] = ()) -> Hashable:
     """The anchor key of a state: `info["anchor"]` when the environment gives one, else the observation (its text,
     and its images' digests where it has images: `gigpo_trl.observations.observation_key`)."""
@@ -144,6 +151,7 @@ _REGISTRY: dict[str, EnvFactory | str] = {
     "alfworld": "gigpo_trl.environments.alfworld_games:AlfWorldEnv",
     "scienceworld": "gigpo_trl.environments.scienceworld_games:ScienceWorldEnv",
     "search_qa": "gigpo_trl.environments.search_qa:SearchQAEnv",
+    "webshop": "gigpo_trl.environments.webshop:WebShopEnv",
 }
 # Name -> the environment's default wording of step prompts (a `gigpo_trl.prompts.PromptTemplate`), or
 # "module:attribute" of one imported on first use; a name without one gets the generic template.
@@ -151,6 +159,7 @@ _PROMPT_TEMPLATES: dict[str, Any] = {
     "sokoban": "gigpo_trl.environments.sokoban:PROMPT_TEMPLATE",
     "visual_sokoban": "gigpo_trl.environments.visual_sokoban:PROMPT_TEMPLATE",
     "search_qa": "gigpo_trl.environments.search_qa:PROMPT_TEMPLATE",
+    "webshop": "gigpo_trl.environments.webshop:PROMPT_TEMPLATE",
 }
 
 
@@ -233,14 +242,12 @@ def fold_seeds(env: str | EnvFactory, fold: str, count: int, /, **kwargs: Any) -
     instance = make_env(env, **kwargs)
     try:
         own_seeds = getattr(instance, "fold_seeds", None)
-        if own_seeds is None:
-            return list(range(DEFAULT_FOLD_STARTS[fold], DEFAULT_FOLD_STARTS[fold] + count))
-        seeds = list(own_seeds(fold))
+        seeds = default_fold_seeds(fold) if own_seeds is None else own_seeds(fold)
     finally:
         instance.close()
     if count > len(seeds):
         raise ValueError(f"the {fold} fold of {env!r} has {len(seeds)} tasks, fewer than the {count} asked for")
-    return seeds[:count]
+    return list(seeds[:count])
 
 
 def env_factory(env: str | EnvFactory, /, **kwargs: Any) -> Callable[[], TextEnv]:

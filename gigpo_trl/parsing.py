@@ -39,7 +39,7 @@ class ParsedAction:
 
 
 def parse_action(text: str, admissible_actions: Sequence[str] | None = None,
-                 tags: Sequence[str] = DEFAULT_ACTION_TAGS) -> ParsedAction:
+                 tags: Sequence[str] = DEFAULT_ACTION_TAGS, max_chars: int = MAX_ACTION_CHARS) -> ParsedAction:
     """Parse a model answer.
 
     With one tag (`<action>` by default): the candidate is the content of its block when there is one (the last one
@@ -48,12 +48,12 @@ def parse_action(text: str, admissible_actions: Sequence[str] | None = None,
     naming the k-th action of the numbered list (1-based); the one admissible action contained in
     the text (as whole words, an action listed twice counting once; when several are, the one containing all the
     others).
-    Unmapped candidates are sent as they are (first line, stripped, at most `MAX_ACTION_CHARS` characters).
+    Unmapped candidates are sent as they are (first line, stripped, at most `max_chars` characters).
 
     With several tags (one per kind of action): valid when the answer holds exactly one non-empty block among all of
     them; the action is then that block written out with its tag, its text on one line and at most
-    `MAX_ACTION_CHARS` characters long (`<search>query</search>`). An invalid answer is sent without its `<think>`
-    block, on one line, at most `MAX_ACTION_CHARS` characters long, so the environment applies its own rule to it.
+    `max_chars` characters long (`<search>query</search>`). An invalid answer is sent without its `<think>`
+    block, on one line, at most `max_chars` characters long, so the environment applies its own rule to it.
     No mapping onto admissible actions: the tag, not a list, says what the action is.
 
     Raises:
@@ -64,14 +64,14 @@ def parse_action(text: str, admissible_actions: Sequence[str] | None = None,
     if len(tags) > 1:
         if valid:
             tag, content = blocks[0]
-            return ParsedAction(f"<{tag}>{_one_line(content)}</{tag}>", True)
-        return ParsedAction(_one_line(THINK_BLOCK.sub(" ", text)), False)
+            return ParsedAction(f"<{tag}>{_one_line(content, max_chars)}</{tag}>", True)
+        return ParsedAction(_one_line(THINK_BLOCK.sub(" ", text), max_chars), False)
     candidate = (blocks[-1][1] if blocks else THINK_BLOCK.sub(" ", text)).strip()
     for rule, action in _mapping_rules(candidate, admissible_actions or []):
         if action is not None:
             return ParsedAction(action, valid, rule)
     first_line = candidate.splitlines()[0].strip() if candidate else ""
-    return ParsedAction(first_line[:MAX_ACTION_CHARS].rstrip(), valid, None)
+    return ParsedAction(first_line[:max_chars].rstrip(), valid, None)
 
 
 def _mapping_rules(candidate: str, admissible: Sequence[str]):
@@ -97,8 +97,8 @@ def _normalize(text: str) -> str:
     return " ".join(text.lower().split())
 
 
-def _one_line(text: str) -> str:
-    return " ".join(text.split())[:MAX_ACTION_CHARS].rstrip()
+def _one_line(text: str, max_chars: int) -> str:
+    return " ".join(text.split())[:max_chars].rstrip()
 
 
 @functools.lru_cache(maxsize=16)

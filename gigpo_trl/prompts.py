@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from gigpo_trl.envs import env_prompt_template, prompt_template_envs
-from gigpo_trl.parsing import DEFAULT_ACTION_TAGS
+from gigpo_trl.parsing import DEFAULT_ACTION_TAGS, MAX_ACTION_CHARS
 
 T = TypeVar("T")
 
@@ -29,7 +29,8 @@ class PromptTemplate:
     before the step as a demonstration of the answer format (small models follow a format they were
     shown far more often than one they were told). Headers are plain text. `action_tags`: the tags an
     answer puts its action in (no template: `gigpo_trl.parsing.parse_action` reads them), one per kind of
-    action, e.g. `("search", "answer")`.
+    action, e.g. `("search", "answer")`. `max_action_chars`: the longest action text sent to the environment
+    (a rambling answer is cut there; WebShop's searches of a whole instruction need more than the default 100).
     """
 
     system: str = (
@@ -47,6 +48,7 @@ class PromptTemplate:
     )
     examples: tuple[tuple[str, str], ...] = ()
     action_tags: tuple[str, ...] = DEFAULT_ACTION_TAGS
+    max_action_chars: int = MAX_ACTION_CHARS
 
 
 _NUMBERED_INSTRUCTION = "Answer with <action>N</action>, where N is the number of one admissible action."

@@ -123,6 +123,7 @@ def test_parse_action_without_admissible_actions_sends_the_text():
 
 def test_a_rambling_answer_is_cut_to_a_bounded_action():
     assert parse_action("word " * 500, ACTIONS).action == ("word " * 20).strip()  # 100 characters
+    assert parse_action("word " * 500, ACTIONS, max_chars=300).action == ("word " * 60).strip()  # a template's bound
 
 
 SEARCH_TAGS = ("search", "answer")
