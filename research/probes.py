@@ -206,7 +206,10 @@ def screen(config: Path, model: str, eval_tasks: int, sampled_tasks: int, copies
     held_out = trainer.evaluate()
     held_out_cpu = time.process_time() - started
     env = make_env(args.env_name, **args.env_kwargs)
-    graph = INFO_ADMISSIBLE_ACTIONS in env.reset(seed=panel["seed"][0])[1]  # else no breadth-first distances
+    # Breadth-first distances need a finite list of actions: none without admissible actions, nor where one of them
+    # is a slot for free text (WebShop's "search[<your query>]"); their optimal path is the walkthrough's length.
+    listed = env.reset(seed=panel["seed"][0])[1].get(INFO_ADMISSIBLE_ACTIONS)
+    graph = listed is not None and not any(re.search(r"<[^<>]+>", action) for action in listed)
     optimal = [shortest_path_length(env, seed, args.max_env_steps) if graph else walkthrough_length(env, seed)
                for seed in panel["seed"]]
     env.close()
