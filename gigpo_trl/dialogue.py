@@ -136,6 +136,11 @@ class Dialogue(Protocol):
 
     def read(self, completion: Completion, start: EnvOutput, current: EnvOutput) -> ParsedAction: ...
 
+    @property
+    def answer_format(self) -> str:
+        """What a well-formed answer is, as the run report says it ("exactly one <action> block")."""
+        ...
+
 
 NO_IMAGES_IN_CONVERSATIONS = (
     "conversation mode (history_length 'conversation') does not take image observations yet (each prompt extends the "
@@ -193,3 +198,8 @@ class TextDialogue:
         template = self.template or PromptTemplate()
         return parse_action(completion.text, current.info.get(INFO_ADMISSIBLE_ACTIONS), template.action_tags,
                             template.max_action_chars)
+
+    @property
+    def answer_format(self) -> str:
+        tags = (self.template or PromptTemplate()).action_tags
+        return f"exactly one {' or '.join(f'<{tag}>' for tag in tags)} block"

@@ -2,7 +2,8 @@
 (`env/success_rate...`) are in the metrics only where the environment says whether its tasks are won (`info["won"]`).
 
     OUTPUT_DIR/gigpo/iterations.jsonl            one JSON object per rollout (train and eval):
-        {"step": int, "mode": "train" | "eval", "rollout": int (count per mode), "metrics": {name: float},
+        {"step": int, "mode": "train" | "eval", "rollout": int (count per mode), "episodes": int (all processes),
+         "answer_format": str (what a well-formed answer is, "exactly one <action> block"), "metrics": {name: float},
          "step_group_sizes": {size: number of step groups of that size},
          "advantage_bins": [edges], "episode_advantage_counts": [...], "step_advantage_counts": [...],
          "env_failures": {"trajectories": int, "failed": int,        (only for a rollout with environment failures)
@@ -66,11 +67,12 @@ UPDATE_METRICS = ("loss", "entropy", "grad_norm", GRAD_NORM_SPIKE, "learning_rat
 
 
 def iteration_record(step: int, mode: str, rollout: int, metrics: dict[str, float],
-                     parts: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]],
-                     env_failures: dict[str, Any] | None = None) -> dict[str, Any]:
+                     parts: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]], *, episodes: int,
+                     answer_format: str | None = None, env_failures: dict[str, Any] | None = None) -> dict[str, Any]:
     """One rollout's record, from the (step_group_sizes, episode_advantages, step_advantages) of each process's
-    advantages, one entry per step sample each, with its environment failures where there were any
-    (`gigpo_trl.env_failures.RolloutFailures.record`)."""
+    advantages, one entry per step sample each: its `episodes` (all processes; an evaluation's chunks are summed up
+    by them), the answer format its answers were held to (`Dialogue.answer_format`), and its environment failures
+    where there were any (`gigpo_trl.env_failures.RolloutFailures.record`)."""
     sizes, episode_advantages, step_advantages = (np.concatenate([np.asarray(part[k]) for part in parts]) for k in range(3))
     rows_per_size = Counter(int(size) for size in sizes)
     failures = {"env_failures": env_failures} if env_failures else {}
@@ -78,6 +80,8 @@ def iteration_record(step: int, mode: str, rollout: int, metrics: dict[str, floa
         "step": step,
         "mode": mode,
         "rollout": rollout,
+        "episodes": episodes,
+        **({"answer_format": answer_format} if answer_format else {}),
         "metrics": metrics,
         "step_group_sizes": {size: rows // size for size, rows in sorted(rows_per_size.items())},
         "advantage_bins": ADVANTAGE_BINS.tolist(),

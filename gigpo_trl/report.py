@@ -26,9 +26,9 @@ from gigpo_trl.metric_names import (
     CYCLE_END_SHARE, DISTINCT_STATES_MEAN, DYNAMIC_SAMPLING_PREFIX, ENV_ERROR_SHARE, EPISODE_ADVANTAGE_STD,
     EPISODE_LENGTH_MEAN, EXTRA_ROLLOUT_S, EXTRA_ROUNDS, GRAD_NORM_SPIKE, GROUPS_DROPPED, GROUPS_KEPT, GROUPS_MISSING,
     GROUPS_ROLLED, GROUPS_SURPLUS, GROUP_RETURN_STD, INVALID_ACTION_RATE, INVALID_MAPPED_RATE, LOOPS_PREFIX, NONZERO_ADVANTAGE_SHARE,
-    NONZERO_STEP_ADVANTAGE_SHARE, PANEL_TASKS, PANEL_UNPLAYED, RETURN_MEAN, REVISIT_SHARE, ROLLOUT_S,
+    NONZERO_STEP_ADVANTAGE_SHARE, NUM_STEP_GROUPS, PANEL_TASKS, PANEL_UNPLAYED, RETURN_MEAN, REVISIT_SHARE, ROLLOUT_S,
     SINGLETON_SHARE, STAY_SHARE, STEP_ADVANTAGE_STD, STEP_GROUP_SIZE_MAX, STEP_GROUP_SIZE_MEAN, STEP_SAMPLES,
-    SUCCESS_RATE, TOKENS_PER_S, TRUNCATED_SHARE, TURN_BACK_SHARE,
+    SUCCESS_RATE, TOKENS_PER_S, TRUNCATED_SHARE, TURN_BACK_SHARE, UPDATE_STEP_SAMPLES,
 )
 from gigpo_trl.metrics import GRAD_NORM_SPIKE_WINDOW
 from gigpo_trl.records import RECORDS_DIR, read_evaluations, read_iterations, read_trajectories, read_updates
@@ -75,8 +75,8 @@ KEY_METRICS = {
     EPISODE_LENGTH_MEAN: "mean episode length (environment steps)",
     TRUNCATED_SHARE: "share of episodes cut off (step limit or environment failure)",
     ENV_ERROR_SHARE: "share of episodes ended by an environment error",
-    INVALID_ACTION_RATE: "share of answers that broke the answer format (not exactly one <action> block): each is "
-                         "charged invalid_action_penalty",
+    INVALID_ACTION_RATE: "share of answers that broke the answer format (not {answer_format}): each is charged "
+                         "invalid_action_penalty",
     INVALID_MAPPED_RATE: "share of answers that broke the format yet named an admissible action, which the lenient "
                          "parser took and the environment played (counted in the invalid share above)",
     GROUP_RETURN_STD: "mean over task groups of the standard deviation of their copies' returns",
@@ -107,6 +107,15 @@ DYNAMIC_SAMPLING_METRICS = {
     EXTRA_ROLLOUT_S: "rollout time of the extra rounds (seconds)",
 }
 
+# How a figure of an evaluation's rollouts (its chunks) sums up to the panel's, where the panel's record does not hold it:
+# weighted by the chunks' episodes or by one of their metrics (what the figure is a share or a mean of), added up, or
+# the maximum. The standard deviations, times and throughputs do not sum up this way: not shown as the panel's.
+CHUNK_WEIGHTS = {
+    TRUNCATED_SHARE: "episodes", ENV_ERROR_SHARE: "episodes", GROUP_RETURN_STD: "episodes",
+    INVALID_ACTION_RATE: STEP_SAMPLES, INVALID_MAPPED_RATE: STEP_SAMPLES, NONZERO_STEP_ADVANTAGE_SHARE: STEP_SAMPLES,
+    NONZERO_ADVANTAGE_SHARE: UPDATE_STEP_SAMPLES, STEP_GROUP_SIZE_MEAN: NUM_STEP_GROUPS, SINGLETON_SHARE: NUM_STEP_GROUPS,
+    STEP_SAMPLES: "sum", NUM_STEP_GROUPS: "sum", UPDATE_STEP_SAMPLES: "sum", STEP_GROUP_SIZE_MAX: "max",
+}
 # C0/C1 control characters (tabs and newlines aside) are not allowed in HTML text; small models emit them.
 CONTROL_CHARACTERS = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
 
@@ -126,7 +135,9 @@ def write_report(output_dir: str | Path, max_rollouts: int = DEFAULT_ROLLOUTS_SH
     if not records:
         raise FileNotFoundError(f"no GiGPO records in {output_dir}: {RECORDS_DIR}/iterations.jsonl is empty (no rollout has finished yet)")
     train = [record for record in records if record["mode"] == "train"]
-    evaluation = [record for record in records if record["mode"] == "eval"]
+    evaluations = read_evaluations(output_dir)
+    # an evaluation's figures are its panel's (every episode once), however many rollouts (chunks) played it
+    evaluation = panel_records([record for record in records if record["mode"] == "eval"], evaluations)
 
     report_dir = Path(output_dir) / REPORT_DIR
     report_dir.mkdir(parents=True, exist_ok=True)
@@ -139,7 +150,6 @@ def write_report(output_dir: str | Path, max_rollouts: int = DEFAULT_ROLLOUTS_SH
     if updates:
         _plot_health(updates, train, evaluation).savefig(report_dir / HEALTH_CAPTION[0], dpi=100)
         captions[HEALTH_CAPTION[0]] = HEALTH_CAPTION[1]
-    evaluations = read_evaluations(output_dir)
     if any(SUCCESS_RATE in record["metrics"] for record in evaluations):
         _plot_panel(evaluations).savefig(report_dir / PANEL_CAPTION[0], dpi=100)
         captions[PANEL_CAPTION[0]] = PANEL_CAPTION[1]
@@ -148,10 +158,62 @@ def write_report(output_dir: str | Path, max_rollouts: int = DEFAULT_ROLLOUTS_SH
         _plot_dynamic_sampling(sampled).savefig(report_dir / DYNAMIC_SAMPLING_CAPTION[0], dpi=100)
         captions[DYNAMIC_SAMPLING_CAPTION[0]] = DYNAMIC_SAMPLING_CAPTION[1]
 
-    page = _page(Path(output_dir), records, _trajectory_viewer(records, read_trajectories(output_dir), max_rollouts),
+    page = _page(Path(output_dir), records, _metrics_table(train, evaluation),
+                 _trajectory_viewer(records, read_trajectories(output_dir), max_rollouts),
                  captions, _health_warnings(updates) + _unplayed_tasks(evaluations) + _environment_failures(records))
     (report_dir / "index.html").write_text(page, encoding="utf-8")
     return report_dir
+
+
+# ------------------------------------------------------------------------------------------
+# An evaluation's panel as one record.
+# ------------------------------------------------------------------------------------------
+
+
+def panel_records(rollouts: Sequence[dict[str, Any]], evaluations: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One record per evaluation, in the shape of a rollout's record, with the panel's figures: those its record in
+    `evaluations.jsonl` holds (every episode of the panel counted once, as the printed line counts them), then the
+    others summed up over the evaluation rollouts (chunks) that played it (`CHUNK_WEIGHTS`; its step-group sizes and
+    advantage histograms added up), where they can be told apart: the rollouts of the evaluation's step when it is the
+    only evaluation of that step. A figure neither holds is not shown as the panel's."""
+    by_step: dict[int, list[dict[str, Any]]] = {}
+    for record in rollouts:
+        by_step.setdefault(record["step"], []).append(record)
+    evaluations_at = {step: sum(e["step"] == step for e in evaluations) for step in {e["step"] for e in evaluations}}
+    panels = []
+    for evaluation in evaluations:
+        chunks = by_step.get(evaluation["step"], []) if evaluations_at[evaluation["step"]] == 1 else []
+        record = {"step": evaluation["step"], "mode": "eval", "panel": evaluation.get("panel"),
+                  "metrics": {**_summed_up(chunks), **evaluation["metrics"]}, "step_group_sizes": {}}
+        if chunks:
+            sizes: dict[int, int] = {}
+            for chunk in chunks:
+                for size, count in chunk["step_group_sizes"].items():
+                    sizes[size] = sizes.get(size, 0) + count
+            record |= {"step_group_sizes": dict(sorted(sizes.items())), "advantage_bins": chunks[0]["advantage_bins"],
+                       **{key: np.sum([chunk[key] for chunk in chunks], axis=0).tolist()
+                          for key in ("episode_advantage_counts", "step_advantage_counts")}}
+        panels.append(record)
+    return panels
+
+
+def _summed_up(chunks: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """The figures of an evaluation's rollouts summed up over them, each as `CHUNK_WEIGHTS` says: a share or a mean
+    weighted by what it is a share or mean of, a count added up, a maximum taken."""
+    figures = {}
+    for metric, weight in CHUNK_WEIGHTS.items():
+        values = [chunk["metrics"].get(metric) for chunk in chunks]
+        if not chunks or None in values:
+            continue
+        if weight == "sum":
+            figures[metric] = float(sum(values))
+        elif weight == "max":
+            figures[metric] = float(max(values))
+        else:
+            weights = [chunk.get("episodes") if weight == "episodes" else chunk["metrics"].get(weight) for chunk in chunks]
+            if None not in weights and sum(weights) > 0:
+                figures[metric] = float(np.average(values, weights=weights))
+    return figures
 
 
 # ------------------------------------------------------------------------------------------
@@ -368,7 +430,8 @@ def _first_and_last(train: list[dict[str, Any]], evaluation: list[dict[str, Any]
 # ------------------------------------------------------------------------------------------
 
 
-def _page(output_dir: Path, records: list[dict[str, Any]], viewer: str, captions: dict[str, str], notices: str) -> str:
+def _page(output_dir: Path, records: list[dict[str, Any]], table: str, viewer: str, captions: dict[str, str],
+          notices: str) -> str:
     counts = {mode: sum(record["mode"] == mode for record in records) for mode in MODE_NAMES}
     steps = [record["step"] for record in records]
     figures = "\n".join(
@@ -387,7 +450,7 @@ def _page(output_dir: Path, records: list[dict[str, Any]], viewer: str, captions
 <p>Run <code>{_escape(output_dir.resolve())}</code>: {counts["train"]} training and {counts["eval"]} evaluation
 rollouts recorded, training steps {min(steps)} to {max(steps)}.</p>
 {notices}<h2>Latest metrics</h2>
-{_metrics_table(records)}
+{table}
 <h2>Plots</h2>
 {figures}
 <h2>Trajectories</h2>
@@ -442,15 +505,25 @@ def _environment_failures(records: list[dict[str, Any]]) -> str:
             'under its reason in gigpo/iterations.jsonl):</p>\n<ul>' + "\n".join(items) + "</ul></div>\n")
 
 
-def _metrics_table(records: list[dict[str, Any]]) -> str:
-    """The key metrics of the last training and the last evaluation rollout, side by side."""
-    latest = {record["mode"]: record for record in records}
-    columns = [latest[mode] for mode in MODE_NAMES if mode in latest]
-    header = "".join(f"<th>last {MODE_NAMES[record['mode']].lower()} rollout<br>(step {record['step']})</th>" for record in columns)
+def _metrics_table(train: list[dict[str, Any]], panels: list[dict[str, Any]]) -> str:
+    """The key metrics of the last training rollout and of the last evaluation's panel (`panel_records`), side by side;
+    a figure the panel's record does not hold and its rollouts cannot sum up to is shown as "-"."""
+    columns = [("last training rollout", train[-1])] if train else []
+    if panels:
+        panel = panels[-1]
+        name = f" {_escape(panel['panel'])}" if panel.get("panel") else ""
+        tasks = panel["metrics"].get(PANEL_TASKS)
+        count = f", {int(tasks)} task{'s' if tasks != 1 else ''}" if tasks else ""
+        columns.append((f"held-out panel{name}{count}", panel))
+    header = "".join(f"<th>{title}<br>(step {record['step']})</th>" for title, record in columns)
+    answer_format = next((record["answer_format"] for record in reversed(train) if record.get("answer_format")),
+                         "the template's answer format")
     rows = []
-    shown = KEY_METRICS | (DYNAMIC_SAMPLING_METRICS if any(_dynamic_sampling(record) for record in records) else {})
+    records = [record for _, record in columns]
+    shown = KEY_METRICS | (DYNAMIC_SAMPLING_METRICS if any(_dynamic_sampling(record) for record in train) else {})
     for metric, meaning in shown.items():
-        cells = "".join(f"<td>{_number(record['metrics'].get(metric))}</td>" for record in columns)
+        cells = "".join(f"<td>{_number(record['metrics'].get(metric))}</td>" for record in records)
+        meaning = meaning.format(answer_format=answer_format) if metric == INVALID_ACTION_RATE else meaning
         rows.append(f"<tr><td>{_escape(meaning)}</td><td><code>{_escape(metric)}</code></td>{cells}</tr>")
     return f'<table class="metrics"><tr><th>metric</th><th>logged as</th>{header}</tr>\n' + "\n".join(rows) + "\n</table>"
 

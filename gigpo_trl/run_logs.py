@@ -187,6 +187,7 @@ class RunLogsMixin:
         if self.accelerator.is_main_process:
             self._open_records(self.args.resume_from_checkpoint)
             record = iteration_record(self.state.global_step, mode, self._rollouts_recorded[mode], metrics, parts,
+                                      episodes=failures.trajectories, answer_format=self.dialogue.answer_format,
                                       env_failures=failures.record() if failures else None)
             self._rollouts_recorded[mode] += 1
             write_records(self.args.output_dir, record, episode_records(rollout, gigpo, self.args.log_trajectories))

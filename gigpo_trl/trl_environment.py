@@ -387,6 +387,10 @@ class ToolCallDialogue:
                      and self.tool_call_opening in completion.text)
         return ParsedAction(json.dumps(message), valid=not malformed)
 
+    @property
+    def answer_format(self) -> str:
+        return "no tool call the chat template's parser cannot read"
+
 
 def _tool_observation(tool_messages: Messages) -> str | list[dict[str, Any]]:
     """What a step's tool messages are as an observation (`gigpo_trl.observations`): their contents joined by

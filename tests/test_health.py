@@ -239,7 +239,7 @@ def test_the_trainer_says_each_warning_as_its_log_reaches_it(tmp_path, tiny_mode
     recorded = [record.get("warnings") for record in updates]
     assert recorded == [None] * 7 + [[{"rule": "stuck", "message": said[7][0]}]] + [None] * 4
     parts = [(np.array([1]), np.array([0.0]), np.array([0.0]))]
-    write_records(tmp_path, iteration_record(0, "train", 0, {"env/return_mean": 0.0}, parts), [])
+    write_records(tmp_path, iteration_record(0, "train", 0, {"env/return_mean": 0.0}, parts, episodes=2), [])
     page = (write_report(tmp_path) / "index.html").read_text()
     assert "Training health" in page and f"<li>step {updates[7]['step']}: the policy is stuck in place" in page
 

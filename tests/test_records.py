@@ -26,7 +26,7 @@ def record_a_run(output_dir, steps: int, evaluate_every: int = 2) -> None:
     rollouts = {"train": 0, "eval": 0}
 
     def rollout(step: int, mode: str) -> None:
-        record = iteration_record(step, mode, rollouts[mode], {"env/return_mean": float(step)}, parts)
+        record = iteration_record(step, mode, rollouts[mode], {"env/return_mean": float(step)}, parts, episodes=2)
         write_records(output_dir, record, [{"step of": step}])
         rollouts[mode] += 1
 

@@ -164,11 +164,13 @@ def test_the_page_is_self_contained_and_shows_every_plot(report_dir):
 
 def test_the_page_tables_the_last_metrics_of_training_and_evaluation(run_dir, report_dir):
     page = (report_dir / "index.html").read_text()
-    last_train, last_eval = read_iterations(run_dir)[-2:]
-    assert "last training rollout<br>(step 3)" in page and "last evaluation rollout<br>(step 4)" in page
+    last_train = read_iterations(run_dir)[-2]
+    last_panel = read_evaluations(run_dir)[-1]
+    assert "last training rollout<br>(step 3)" in page and "held-out panel, 1 task<br>(step 4)" in page
     success_row = re.search(r"<tr><td>share of episodes won</td>.*</tr>", page).group()
     assert success_row.endswith(f"<td>{last_train['metrics']['env/success_rate']:.4g}</td>"
-                                f"<td>{last_eval['metrics']['env/success_rate']:.4g}</td></tr>")
+                                f"<td>{last_panel['metrics']['env/success_rate']:.4g}</td></tr>")
+    assert "(not exactly one &lt;action&gt; block)" in page  # the corridor's template's tags
 
 
 def test_record_text_is_html_escaped(report_dir):
@@ -289,3 +291,42 @@ def test_a_run_without_a_finished_rollout_has_no_report(tmp_path):
 
     with pytest.raises(FileNotFoundError, match="iterations.jsonl is empty"):
         write_report(tmp_path)
+
+
+def test_held_out_figures_are_the_panel_s_when_it_was_played_in_several_chunks(tmp_path):
+    """The search recipe's case (issue 92): a panel of 40 tasks played in 4 evaluation rollouts of 20 episodes, their
+    success 0.35, 0.35, 0.5 and 0.1; the panel's record holds 0.325. The table's evaluation column and the plots'
+    evaluation points are the panel's (its own figures; the others summed up over its chunks by what they are shares
+    of), never the last chunk's; the format row names the template's action tags."""
+    from gigpo_trl.records import evaluation_record, iteration_record, write_evaluation, write_records
+    from gigpo_trl.report import _plot_outcomes, _plot_step_groups, panel_records
+
+    parts = [([1, 2, 2], [0.0, 0.5, -0.5], [0.0, 0.1, -0.1])]
+    train = iteration_record(8, "train", 7, {"env/success_rate": 0.5, "env/step_samples": 40.0}, parts, episodes=16,
+                             answer_format="exactly one <search> or <answer> block")
+    write_records(tmp_path, train, [])
+    chunks = [(0.35, 0.1, 50.0), (0.35, 0.2, 40.0), (0.5, 0.0, 30.0), (0.1, 0.4, 60.0)]  # success, invalid, samples
+    for rollout, (success, invalid, samples) in enumerate(chunks):
+        metrics = {"env/success_rate": success, "env/invalid_action_rate": invalid, "env/step_samples": samples,
+                   "env/truncated_share": 0.5, "gigpo/num_step_groups": 10.0, "gigpo/singleton_share": 0.1 * rollout}
+        write_records(tmp_path, iteration_record(8, "eval", rollout, metrics, parts, episodes=20), [])
+    write_evaluation(tmp_path, evaluation_record(8, {"env/success_rate": 0.325, "env/panel_tasks": 40.0},
+                                                 [f"seed {k}" for k in range(40)], {}, copies=2, greedy=False))
+
+    page = (write_report(tmp_path) / "index.html").read_text()
+    success_row = re.search(r"<tr><td>share of episodes won</td>.*</tr>", page).group()
+    assert "held-out panel, 40 tasks<br>(step 8)" in page and success_row.endswith("<td>0.5</td><td>0.325</td></tr>")
+    invalid_row = re.search(r"<tr><td>share of answers that broke the answer format.*</tr>", page).group()
+    assert "(not exactly one &lt;search&gt; or &lt;answer&gt; block)" in invalid_row
+    expected = (0.1 * 50 + 0.2 * 40 + 0.0 * 30 + 0.4 * 60) / 180  # weighted by the chunks' answers
+    assert invalid_row.endswith(f"<td>{expected:.4g}</td></tr>")
+
+    panels = panel_records([r for r in read_iterations(tmp_path) if r["mode"] == "eval"], read_evaluations(tmp_path))
+    assert len(panels) == 1 and panels[0]["metrics"]["env/step_samples"] == 180.0
+    assert panels[0]["step_group_sizes"] == {1: 4, 2: 4}  # each chunk's one group of 1 and one of 2, added up
+    success_axes = _plot_outcomes([train], panels).axes[0]
+    evaluation_points = [line for line in success_axes.get_lines() if line.get_label().startswith("evaluation")]
+    assert [list(line.get_ydata()) for line in evaluation_points] == [[0.325]]  # one point: the panel's
+    singleton_axes = _plot_step_groups([train], panels).axes[1]
+    (points,) = [line for line in singleton_axes.get_lines() if line.get_label().startswith("evaluation")]
+    assert list(points.get_ydata()) == [pytest.approx(0.15)]  # 0, 0.1, 0.2, 0.3 over 10 step groups each

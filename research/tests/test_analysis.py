@@ -27,9 +27,9 @@ def write_run(directory: Path, eval_success: dict[int, float], unplayed: dict[in
                 "timing/advantages_s": 0.0}
 
     for step in (0, 1):
-        write_records(directory, iteration_record(step, "train", step, metrics(0.5), parts), [])
+        write_records(directory, iteration_record(step, "train", step, metrics(0.5), parts, episodes=4), [])
     for rollout, (step, success) in enumerate(eval_success.items()):
-        write_records(directory, iteration_record(step, "eval", rollout, metrics(success), parts), [])
+        write_records(directory, iteration_record(step, "eval", rollout, metrics(success), parts, episodes=4), [])
         missing = unplayed.get(step, [])
         write_evaluation(directory, evaluation_record(
             step, metrics(success), [task for task in PANEL if task not in missing],
@@ -396,9 +396,9 @@ def test_an_evaluation_played_in_batches_is_one_row_with_the_whole_panels_succes
                 "gigpo/singleton_share": 0.0, "gigpo/step_group_size_mean": 2.0, "timing/rollout_s": length,
                 "timing/advantages_s": 0.0}
 
-    write_records(run, iteration_record(0, "train", 0, metrics(0.5, 5.0), parts), [])
+    write_records(run, iteration_record(0, "train", 0, metrics(0.5, 5.0), parts, episodes=4), [])
     for rollout, (success, length) in enumerate([(1.0, 4.0), (0.5, 6.0)]):  # 3 episodes, then 2
-        write_records(run, iteration_record(1, "eval", rollout, metrics(success, length), parts), [])
+        write_records(run, iteration_record(1, "eval", rollout, metrics(success, length), parts, episodes=4), [])
     write_evaluation(run, evaluation_record(1, metrics(0.8, 4.8), PANEL, {}))
     (tmp_path / "gigpo-seed0.log").write_text("")
 
