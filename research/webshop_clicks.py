@@ -4,7 +4,7 @@ ones (the paper's case study).
 
 A run's sample episodes (`OUTPUT_DIR/gigpo/trajectories/*.json`, written for every episode when `log_trajectories` is
 at least the rollout's episodes) hold each step's observation, action and step advantage. A results-page step is one
-whose observation is a results page and whose action clicks a product; the click *can win* when buying that product
+whose observation is a results page and whose action clicks a product the page shows; the click *can win* when buying that product
 (with the goal's options where it offers them) scores WebShop's reward of exactly 1.0 for the episode's goal (its task
 seed, on the run's shop). A results-page step group is the steps of one task group taken on the same page (the same
 observation text: the instruction, the search and the page number, so the same products in the same order); it is
@@ -58,8 +58,8 @@ def results_page_clicks(episodes: Sequence[dict[str, Any]], env_kwargs: Mapping[
     clicks = []
     for episode in episodes:
         for step in episode["steps"]:
-            clicked = PRODUCT_CLICK.fullmatch(step["action"])
-            if clicked and RESULTS_PAGE.search(step["observation"]):
+            clicked = PRODUCT_CLICK.fullmatch(step["action"])  # a product the page shows (not one it does not: a no-op)
+            if clicked and RESULTS_PAGE.search(step["observation"]) and clicked.group(1).upper() in step["observation"]:
                 clicks.append({"group": episode["group"], "page": step["observation"], "seed": episode["seed"],
                                "wins": can_win(env_kwargs, episode["seed"], clicked.group(1)),
                                "step_advantage": step["step_advantage"], "won": bool(episode["won"])})
