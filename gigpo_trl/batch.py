@@ -17,6 +17,7 @@ from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import pad, use_adapter
 
 from gigpo_trl.dialogue import Completion
+from gigpo_trl.metric_names import ASYNC_BEHAVIOUR_MASKED_SHARE, ASYNC_BEHAVIOUR_RATIO
 from gigpo_trl.observations import PER_TOKEN_IMAGE_KEYS
 
 if TYPE_CHECKING:
@@ -173,8 +174,35 @@ def sampling_metrics(parts: torch.Tensor) -> dict[str, Any]:
     return metrics
 
 
+def behaviour_weighted_advantages(advantages: torch.Tensor, proximal_logps: torch.Tensor,
+                                  behaviour_logps: torch.Tensor, mask: torch.Tensor, stale: torch.Tensor, mode: str,
+                                  clip_min: float | None, clip_max: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decoupled PPO's correction of rows sampled by an older policy (the async producer's snapshot), as advantages.
+
+    The loss of a stale row is TRL's clipped objective on the ratio to the proximal policy (the weights that train on
+    it), its tokens weighted by proximal / behaviour (`importance_sampling_ratio`: per token or per sequence,
+    truncated or masked to [clip_min, clip_max]). A weight w >= 0 scales a token's loss -min(r A, clip(r) A) as it
+    scales its advantage (min(r wA, clip(r) wA) = w min(r A, clip(r) A)), so the weighted loss is TRL's loss with
+    advantages A w. A fresh row (`stale` False) was sampled by the proximal policy itself: its weight is 1.
+
+    Args:
+        advantages: (B,) each row's advantage.
+        proximal_logps, behaviour_logps, mask: (B, C) the proximal and behaviour log-probs of each answer token, the
+            loss mask.
+        stale: (B,) bool, the rows sampled by an older policy.
+
+    Returns:
+        The advantages, (B, C) (the rows' unchanged where no row is stale: (B,)); and the stale rows' weights, (B, C)
+        or (B, 1) (for the metrics).
+    """
+    weights = importance_sampling_ratio(proximal_logps, behaviour_logps, mask, mode, clip_min, clip_max)
+    weights = torch.where(stale.unsqueeze(1), weights, torch.ones_like(weights))
+    return advantages.unsqueeze(1) * weights.expand_as(proximal_logps), weights[stale]
+
+
 def loss_batch(trainer: GRPOTrainer, completions: Sequence[Completion], weights: Sequence[float],
-               advantages: Sequence[float], mode: str, *, sampled: bool = True) -> dict[str, Any]:
+               advantages: Sequence[float], mode: str, *, sampled: bool = True,
+               staleness: Sequence[int] | None = None) -> dict[str, Any]:
     """The dict `GRPOTrainer._compute_loss` consumes: the rows padded (`padded_batch`), the global token count,
     and the old and reference log-probs and vLLM's importance-sampling ratio where GRPOTrainer would compute them,
     with the trainer's models and TRL's forward pass (`_get_per_token_logps_and_entropies`); the ratio's
@@ -189,6 +217,9 @@ def loss_batch(trainer: GRPOTrainer, completions: Sequence[Completion], weights:
             from the trainer's tempered distribution, and vLLM's log-probs of them do not describe it (measured with
             vLLM's CPU build: 0.23 apart per token, against 0.001 for sampled tokens): as a ratio they masked
             every row and zeroed the evaluation loss.
+        staleness: with `async_staleness`, each row's lag behind the weights that train on it; rows that lag are
+            corrected by decoupled PPO (`behaviour_weighted_advantages`, their behaviour log-probs in
+            `Completion.logprobs`), with the old log-probs (the clip's anchor) those of the current weights.
     """
     device = trainer.accelerator.device
     ends = {*trainer.eos_token_ids, trainer._tokenizer.pad_token_id} if trainer.mask_truncated_completions else None
@@ -216,8 +247,23 @@ def loss_batch(trainer: GRPOTrainer, completions: Sequence[Completion], weights:
         generate_every = trainer.args.steps_per_generation * trainer.num_iterations
         loss_takes_ratio = trainer.use_vllm and trainer.vllm_importance_sampling_correction
         is_correction = loss_takes_ratio and sampled
-        if trainer.args.gradient_accumulation_steps % generate_every != 0 or is_correction:
+        stale = torch.tensor([lag > 0 for lag in staleness] if staleness else [False] * len(completions), device=device)
+        # every process scores and gathers alike when one of them holds stale rows (forwards and gathers are collective)
+        any_stale = staleness is not None and trainer._max_across_processes(int(stale.any())) > 0
+        behaviour_logps = batch.pop("sampling_per_token_logps", None) if staleness is not None else None
+        if trainer.args.gradient_accumulation_steps % generate_every != 0 or is_correction or any_stale:
             batch["old_per_token_logps"] = log_probs(trainer.model)
+        if any_stale:
+            if behaviour_logps is None:  # fresh rows: their behaviour policy is the proximal one
+                behaviour_logps = batch["old_per_token_logps"]
+            batch["advantages"], behaviour = behaviour_weighted_advantages(
+                batch["advantages"], batch["old_per_token_logps"], behaviour_logps, loss_mask, stale,
+                trainer.vllm_importance_sampling_mode, trainer.vllm_importance_sampling_clip_min,
+                trainer.vllm_importance_sampling_clip_max)
+            if trainer.off_policy_mask_threshold is not None:  # TRL's off-policy mask reads the behaviour log-probs
+                batch["sampling_per_token_logps"] = behaviour_logps
+            for name, value in behaviour_metrics(behaviour, loss_mask[stale], trainer.accelerator.gather).items():
+                trainer._metrics[mode][name].append(value)
         if is_correction:
             sampling_logps = batch.get("sampling_per_token_logps")
             if sampling_logps is None:
@@ -240,3 +286,20 @@ def loss_batch(trainer: GRPOTrainer, completions: Sequence[Completion], weights:
                 with use_adapter(unwrapped, adapter_name="ref" if "ref" in unwrapped.peft_config else None):
                     batch["ref_per_token_logps"] = log_probs(trainer.model)
     return batch
+
+
+def behaviour_metrics(weights: torch.Tensor, mask: torch.Tensor, gather: Callable[[torch.Tensor], torch.Tensor]
+                      ) -> dict[str, float]:
+    """The stale rows' behaviour weights over all processes: their mean, min and max over the answer tokens they weigh
+    (per sequence: over the rows), and the share of them masked to 0 (`*_mask` modes)."""
+    values = weights[mask.bool()] if weights.size(1) > 1 else weights.flatten()
+    local = torch.stack([values.sum(), torch.tensor(float(values.numel())), (values == 0).sum().float(),
+                         values.min() if values.numel() else torch.tensor(float("inf")),
+                         values.max() if values.numel() else torch.tensor(-float("inf"))]).double()
+    parts = gather(local.to(weights.device)).view(-1, 5)
+    count = parts[:, 1].sum().item()
+    if not count:
+        return {}
+    return {ASYNC_BEHAVIOUR_RATIO + "mean": parts[:, 0].sum().item() / count,
+            ASYNC_BEHAVIOUR_RATIO + "min": parts[:, 3].min().item(), ASYNC_BEHAVIOUR_RATIO + "max": parts[:, 4].max().item(),
+            ASYNC_BEHAVIOUR_MASKED_SHARE: parts[:, 2].sum().item() / count}

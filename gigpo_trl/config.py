@@ -172,6 +172,17 @@ class GiGPOConfig(GRPOConfig):
                   "episode's first turn, so they add no generation call. An evaluation reports the tasks that still "
                   "could not be played (eval_env/panel_unplayed) and leaves them out of its figures."},
     )
+    async_staleness: int | None = field(
+        default=None,
+        metadata={"help": "Rollouts that run ahead of the update. None (default): synchronous, generate then update. "
+                  "S >= 0: a producer thread plays the next task batches (every copy of a task together, never "
+                  "dropped) with a snapshot of the policy that lags the trained one by at most S updates, while the "
+                  "trainer updates; the update is decoupled PPO (the clip on the ratio to the weights at the update, "
+                  "each stale row's tokens weighted by their ratio to the snapshot that sampled them, truncated or "
+                  "masked by vllm_importance_sampling_mode, _clip_min and _clip_max). 0 plays each rollout after the "
+                  "update before it: the synchronous run, through the producer. HF generation through the prefix cache "
+                  "only (not vLLM, ZeRO-3, FSDP or vision models); no dynamic sampling (docs/configuration.md)."},
+    )
     stop_after_failed_rollouts: int = field(
         default=3,
         metadata={"help": "Training rollouts in a row in which every trajectory failed by its environment (raised, "
@@ -387,6 +398,7 @@ class GiGPOConfig(GRPOConfig):
             problems.append(f"step_advantage_lambda={lam!r} must be a number in [0, 1]")
         if self.max_env_steps < 1:
             problems.append(f"max_env_steps={self.max_env_steps} must be >= 1")
+        problems += self._async_problems()
         if self.stop_after_failed_rollouts < 0:
             problems.append(f"stop_after_failed_rollouts={self.stop_after_failed_rollouts} must be >= 0 (0: never stop)")
         if self.log_trajectories < 0:
@@ -440,6 +452,33 @@ class GiGPOConfig(GRPOConfig):
             )
         if problems:
             raise ValueError("invalid GiGPOConfig: " + "; ".join(problems))
+
+    def _async_problems(self) -> list[str]:
+        """Settings the async producer cannot honour (`async_staleness`), each named with why."""
+        staleness = self.async_staleness
+        if staleness is None:
+            return []
+        if isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0:
+            return [f"async_staleness={staleness!r} must be None (synchronous) or an int >= 0"]
+        problems = []
+        if self.use_vllm:
+            problems.append(f"async_staleness={staleness} generates with a snapshot of the policy through the prefix "
+                            "cache, and use_vllm=True generates with vLLM: colocated vLLM shares the trainer's device and "
+                            "process, so it cannot run ahead of the update, and the vLLM server producer is not built "
+                            "yet. Leave async_staleness None with vLLM")
+        if self.dynamic_sampling_max_rounds:
+            problems.append(f"async_staleness={staleness} with dynamic_sampling_max_rounds="
+                            f"{self.dynamic_sampling_max_rounds}: the producer plays the dataloader's batches in order, "
+                            "and drawing more task groups from it is not built yet; use reward_std_filter_ratio, which "
+                            "works on each rollout as it is consumed, or no async")
+        if not self.generation_prefix_cache:
+            problems.append(f"async_staleness={staleness} needs generation_prefix_cache=True: the producer generates "
+                            "through the prefix cache")
+        if self.loss_type == "vespo":
+            problems.append(f"async_staleness={staleness} with loss_type='vespo', whose weights read TRL's vLLM "
+                            "importance-sampling ratio: the stale rows' ratio to their behaviour policy would be applied "
+                            "twice; use 'dapo' or 'cispo'")
+        return problems
 
     def _vllm_lora_sync_problems(self) -> list[str]:
         """A mode that is not one of VLLM_LORA_SYNC_MODES, or the adapter mode where vLLM would not apply it."""

@@ -1,7 +1,7 @@
 """TRL's generation backends as the turn's backend (`TRLGeneration`, `gigpo_trl.turns`), the prefix cache that serves
-their HF path where one can (`generation_prefix_cache`, `generate_through_prefix_cache`), and the switches a rollout
-flips on them: greedy decoding for held-out evaluation, and vLLM's sleep mode woken once per rollout instead of once
-per turn.
+their HF path where one can (`generation_prefix_cache`, `generate_through_prefix_cache`), a model of its own as a
+backend (`SnapshotGeneration`, the async producer's), and the switches a rollout flips on them: greedy decoding for
+held-out evaluation, and vLLM's sleep mode woken once per rollout instead of once per turn.
 
 The switches change attributes of a `GRPOTrainer` (its `generation_config`, or its `vllm_generation`) for the
 duration of a `with` block and restore them after it.
@@ -10,10 +10,10 @@ duration of a `with` block and restore them after it.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from trl.models import unwrap_model_for_generation
@@ -58,8 +58,36 @@ def generate_through_prefix_cache(trainer: GRPOTrainer, cache: PrefixCache, prom
         torch.no_grad(),
         trainer._dist.summon_full_params(trainer.model_wrapped, recurse=False),
     ):
-        generated = cache.generate(model, prompt_ids, trainer.generation_config, trainer._tokenizer.pad_token_id)
-    return [until_eos(row, set(trainer.eos_token_ids)) for row in generated.tolist()]
+        return prefix_cache_answers(model, cache, prompt_ids, trainer.generation_config, trainer._tokenizer.pad_token_id,
+                                    trainer.eos_token_ids)
+
+
+def prefix_cache_answers(model: torch.nn.Module, cache: PrefixCache, prompt_ids: list[list[int]], generation_config: Any,
+                         pad_token_id: int, eos_token_ids: Sequence[int]) -> list[list[int]]:
+    """The answers `model` generates through the prefix cache, each up to its first end token (included)."""
+    generated = cache.generate(model, prompt_ids, generation_config, pad_token_id)
+    return [until_eos(row, set(eos_token_ids)) for row in generated.tolist()]
+
+
+@dataclass(frozen=True)
+class SnapshotGeneration:
+    """A model of its own as the turn's backend (the async producer's snapshot of the policy): HF generation through
+    the prefix cache with the trainer's generation config, under `autocast` (the training's precision), the answers and
+    the prompt tokens each row forwarded as `TRLGeneration` gives them on its prefix-cache path."""
+
+    model: torch.nn.Module
+    cache: PrefixCache
+    generation_config: Any
+    pad_token_id: int
+    eos_token_ids: tuple[int, ...]
+    autocast: Callable[[], Any]
+
+    def __call__(self, batch: TurnBatch) -> GeneratedTokens:
+        with self.autocast(), torch.no_grad():
+            answers = prefix_cache_answers(self.model, self.cache, batch.prompt_ids, self.generation_config,
+                                           self.pad_token_id, self.eos_token_ids)
+        counted = self.cache.take_counts().forwarded_by_prompt
+        return GeneratedTokens(answers, None, counted or [len(ids) for ids in batch.prompt_ids])
 
 
 def generation_prefix_cache(trainer: GRPOTrainer) -> PrefixCache | None:

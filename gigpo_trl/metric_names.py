@@ -88,6 +88,19 @@ REWARD_STD_FILTER_PREFIX = "reward_std_filter/"
 STD_FILTER_GROUPS_KEPT = "reward_std_filter/groups_kept"
 STD_FILTER_GROUPS_KEPT_ZERO_STD = "reward_std_filter/groups_kept_zero_std"
 
+# Rollouts that run ahead of the update (`async_staleness`, `gigpo_trl.async_rollouts`): the rollout's staleness (the
+# updates between the policy that played it and the one that trains on it; mean and max over the processes' rollouts),
+# the rollouts played and not yet taken, the seconds the trainer waited for it and the producer waited for admission,
+# and the stale rows' behaviour weights (proximal / behaviour per token, after truncation or masking).
+ASYNC_PREFIX = "async/"
+ASYNC_STALENESS_MEAN = "async/staleness_mean"
+ASYNC_STALENESS_MAX = "async/staleness_max"
+ASYNC_QUEUE_DEPTH = "async/queue_depth"
+ASYNC_TRAINER_WAIT_S = "async/trainer_wait_s"
+ASYNC_PRODUCER_WAIT_S = "async/producer_wait_s"
+ASYNC_BEHAVIOUR_RATIO = "async/behaviour_ratio/"  # + "mean", "min", "max"
+ASYNC_BEHAVIOUR_MASKED_SHARE = "async/behaviour_masked_share"
+
 # A training step's gradient norm over the median of those logged before it (`gigpo_trl.run_logs`).
 GRAD_NORM_SPIKE = "grad_norm/spike"
 

@@ -23,7 +23,8 @@ from gigpo_trl.advantages import GiGPOAdvantages, StepGroupStats
 from gigpo_trl.dynamic_sampling import SamplingCounts, StdFilterCounts
 from gigpo_trl.loops import EpisodeLoops, LoopCounts
 from gigpo_trl.metric_names import (
-    ADVANTAGES_S, CONTEXT_OVERFLOW_SHARE, CONTEXT_TRIMMED_SHARE, ENV_ERROR_SHARE, ENV_PREFIX, ENV_S, EPISODE_LENGTH_MEAN,
+    ADVANTAGES_S, ASYNC_PRODUCER_WAIT_S, ASYNC_QUEUE_DEPTH, ASYNC_STALENESS_MAX, ASYNC_STALENESS_MEAN,
+    ASYNC_TRAINER_WAIT_S, CONTEXT_OVERFLOW_SHARE, CONTEXT_TRIMMED_SHARE, ENV_ERROR_SHARE, ENV_PREFIX, ENV_S, EPISODE_LENGTH_MEAN,
     FRAC_REWARD_ZERO_STD, GENERATION_S, GROUP_RETURN_STD, INVALID_ACTION_RATE, INVALID_MAPPED_RATE,
     NONZERO_ADVANTAGE_SHARE, NUM_ROWS, PANEL_TASKS, PANEL_UNPLAYED, PASS_AT_PREFIX, PREFILL_TOKENS, PROMPT_TOKENS,
     RETURN_MEAN, RETURN_STD, ROLLOUT_S, STEP_SAMPLES, SUCCESS_RATE, TOKENS_PER_S, TRUNCATED_SHARE, UPDATE_S,
@@ -398,3 +399,12 @@ def _bessel_std(total: float, squares: float, count: float) -> float:
     if count < 2:
         return 0.0
     return max((squares - total * total / count) / (count - 1), 0.0) ** 0.5
+
+
+def async_metrics(parts: Sequence[tuple[int, int, float, float]]) -> dict[str, float]:
+    """The async producer's metrics of a consumed rollout (`async_staleness`), from each process's (staleness, queue
+    depth, seconds the trainer waited for the rollout, seconds the producer waited for its admission)."""
+    staleness, depth, trainer_wait, producer_wait = (np.asarray(column, dtype=np.float64) for column in zip(*parts))
+    return {ASYNC_STALENESS_MEAN: float(staleness.mean()), ASYNC_STALENESS_MAX: float(staleness.max()),
+            ASYNC_QUEUE_DEPTH: float(depth.mean()), ASYNC_TRAINER_WAIT_S: float(trainer_wait.max()),
+            ASYNC_PRODUCER_WAIT_S: float(producer_wait.max())}

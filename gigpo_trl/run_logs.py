@@ -17,16 +17,17 @@ import numpy as np
 from accelerate.utils import gather_object
 
 from gigpo_trl.advantages import GiGPOAdvantages
+from gigpo_trl.async_rollouts import ProducedRollout
 from gigpo_trl.dynamic_sampling import SamplingCounts, StdFilterCounts
 from gigpo_trl.env_failures import RolloutFailures
 from gigpo_trl.health import HEALTH_METRICS, HealthWarning, TrainingHealth
 from gigpo_trl.metric_names import (
-    CONTEXT_OVERFLOW_SHARE, EXTRA_ROUNDS, GRAD_NORM_SPIKE, GROUPS_DROPPED, GROUPS_KEPT, GROUPS_MISSING, GROUPS_ROLLED,
+    ASYNC_BEHAVIOUR_MASKED_SHARE, ASYNC_BEHAVIOUR_RATIO, CONTEXT_OVERFLOW_SHARE, EXTRA_ROUNDS, GRAD_NORM_SPIKE, GROUPS_DROPPED, GROUPS_KEPT, GROUPS_MISSING, GROUPS_ROLLED,
     NUM_STEP_GROUPS, PANEL_UNPLAYED, PANEL_UNPLAYED_TASKS, SINGLETON_SHARE, evaluation_name,
 )
 from gigpo_trl.metrics import (
     GRAD_NORM_SPIKE_WINDOW, SINGLETON_WARNING, SINGLETON_WARNING_SHARE, PanelEpisode, RolloutSummary, RolloutTimes,
-    panel_metrics, panel_tasks, rollout_metrics, trailing_ratio,
+    async_metrics, panel_metrics, panel_tasks, rollout_metrics, trailing_ratio,
 )
 from gigpo_trl.observations import readable_messages
 from gigpo_trl.records import (
@@ -113,9 +114,13 @@ class RunLogsMixin:
             write_update(self.args.output_dir, self.state.global_step, logs, said)
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):
-        """GRPOTrainer's training, in a run folder whose records are this run's (`_open_records`)."""
+        """GRPOTrainer's training, in a run folder whose records are this run's (`_open_records`); the async producer
+        (`async_staleness`) stops with it, however it ends (Ctrl-C included)."""
         self._open_records(resume_from_checkpoint)
-        return super().train(resume_from_checkpoint, *args, **kwargs)
+        try:
+            return super().train(resume_from_checkpoint, *args, **kwargs)
+        finally:
+            self.close_producer()
 
     def _open_records(self, resume_from_checkpoint: str | bool | None) -> None:
         """Before the run's first record (main process): the records of OUTPUT_DIR/gigpo become this run's
@@ -152,13 +157,21 @@ class RunLogsMixin:
 
     def _log_rollout_metrics(self, mode: str, rollout: Rollout, gigpo: GiGPOAdvantages, times: RolloutTimes,
                              update_seconds: float | None, update_samples: list[int],
-                             sampling: SamplingCounts | None, std_filter: StdFilterCounts | None) -> dict[str, float]:
-        """The rollout's metrics over all processes (`gigpo_trl.metrics`) into TRL's `_metrics`; returns them."""
+                             sampling: SamplingCounts | None, std_filter: StdFilterCounts | None,
+                             produced: ProducedRollout | None = None) -> dict[str, float]:
+        """The rollout's metrics over all processes (`gigpo_trl.metrics`; with `async_staleness`, the producer's,
+        `async_metrics`) into TRL's `_metrics`; returns them."""
         summary = RolloutSummary.of(rollout, gigpo, times, max_completion_length=self.max_completion_length,
                                     end_token_ids={*self.eos_token_ids, self._tokenizer.pad_token_id},
                                     update_samples=update_samples, sampling=sampling, std_filter=std_filter)
         summaries = gather_object([summary])
         metrics = rollout_metrics(summaries, update_seconds)
+        if produced is not None:
+            metrics |= async_metrics(gather_object([(produced.staleness, self._producer.queue_depth,
+                                                     self._producer.trainer_wait_seconds,
+                                                     produced.admission_wait_seconds)]))
+            metrics |= {name: values[-1] for name, values in self._metrics[mode].items()
+                        if name.startswith(ASYNC_BEHAVIOUR_RATIO) or name == ASYNC_BEHAVIOUR_MASKED_SHARE}
         if mode == "train":
             self.state.num_input_tokens_seen += sum(s.prompt_tokens + s.generated_tokens for s in summaries)
         for name, value in metrics.items():

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import copy
 import functools
+import itertools
 import multiprocessing
 import os
 import textwrap
 import time
 import warnings
+from collections import Counter
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -18,7 +22,11 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
 
 from gigpo_trl.advantages import GiGPOAdvantages, anchor_step_groups, compute_gigpo_advantages
-from gigpo_trl.batch import loss_batch, rows_for_update
+from gigpo_trl.async_rollouts import (
+    ProducedRollout, ProducerFailed, ProducerStopped, RolloutProducer, generation_batches, load_weights,
+    trainable_weights,
+)
+from gigpo_trl.batch import loss_batch, padded_batch, rows_for_update
 from gigpo_trl.config import GiGPOConfig
 from gigpo_trl.dialogue import Dialogue, TextDialogue
 from gigpo_trl.dynamic_sampling import extra_task_rows, filter_by_return_std, sample_groups
@@ -27,11 +35,13 @@ from gigpo_trl.env_pool import INFO_ENV_ERROR, EnvironmentFailureWarning, EnvPoo
 from gigpo_trl.envs import TextEnv, env_factory
 from gigpo_trl.fork_server import ForkServer
 from gigpo_trl.generation import (
-    TRLGeneration, generate_through_prefix_cache, generation_prefix_cache, greedy_decoding, vllm_awake,
+    SnapshotGeneration, TRLGeneration, generate_through_prefix_cache, generation_prefix_cache, greedy_decoding,
+    vllm_awake,
 )
 from gigpo_trl.loss import GiGPOLossMixin
 from gigpo_trl.metrics import PanelEpisode, RolloutTimes
 from gigpo_trl.models import resolve_model
+from gigpo_trl.prefix_cache import PrefixCache
 from gigpo_trl.prompts import PromptTemplate, load_template, template_for
 from gigpo_trl.rollout import Rollout, collect_rollout
 from gigpo_trl.run_logs import RunLogsMixin
@@ -46,6 +56,15 @@ from gigpo_trl.vllm_lora import install_weight_sync, vllm_engine_for
 def environment_reward(completions: list, **kwargs: Any) -> list[float]:
     """Placeholder reward function: GiGPOTrainer takes rewards from the environment, never from here."""
     raise RuntimeError("GiGPOTrainer takes rewards from the environment; environment_reward is never called")
+
+
+def _chat_template_ids(processing_class: Any, chat_template: str | None, chat_template_kwargs: dict[str, Any],
+                       prompts: list) -> list[list[int]]:
+    """The prompts' token ids as `GRPOTrainer._tokenize_prompts` renders text prompts (the async producer's own
+    tokenizer: a fast tokenizer is not safe to share between threads)."""
+    return processing_class.apply_chat_template(conversation=prompts, chat_template=chat_template,
+                                                add_generation_prompt=True, tokenize=True, return_dict=True,
+                                                **chat_template_kwargs)["input_ids"]
 
 
 class GiGPOTrainer(GiGPOLossMixin, RunLogsMixin, GRPOTrainer):
@@ -195,29 +214,45 @@ class GiGPOTrainer(GiGPOLossMixin, RunLogsMixin, GRPOTrainer):
         self._pools: dict[str, EnvPool] = {}
         self.last_rollout: Rollout | None = None  # the latest rollout of this process (trajectories, for reports)
         self._failure_streak = FailureStreak(args.stop_after_failed_rollouts)
+        self._producer: RolloutProducer | None = None  # the async producer (`async_staleness`), started on first use
+        # The producer's turn backend from its snapshot's (`SnapshotGeneration`) and its own tokenizer: the same by
+        # default; a scripted test policy wraps it as it wraps `turns.backend` (tests/scripted_policy.py).
+        self.wrap_producer_backend: Callable[[Any, Any], Any] = lambda backend, tokenizer: backend
+        self._rollouts_consumed = 0
+        if args.async_staleness is not None:
+            self._check_async()
         self._check_first_reset()
 
-    def _turn_generator(self, *, conversation: bool) -> TurnGenerator:
+    def _turn_generator(self, *, conversation: bool, processing_class: Any = None, backend: Any = None,
+                        prefix_cache: Any = None) -> TurnGenerator:
         """The turn (`gigpo_trl.turns`): prompts rendered with the chat template TRL renders them with (in conversation
         mode, every prompt after an episode's first continuing the one before it token for token, with TRL's training
         template where the model's is not prefix-preserving), generated from through TRL's backends, and a prompt that
-        would not fit the model's context ending its episode rather than reach the model."""
-        chat_turns = None
+        would not fit the model's context ending its episode rather than reach the model. The async producer's turn
+        renders with a tokenizer of its own (`processing_class`) and generates through its own `backend` and
+        `prefix_cache`."""
+        own = processing_class is None
+        processing_class = self.processing_class if own else processing_class
+        chat_turns, chat_template = None, self.chat_template
         if conversation:
-            chat_turns, self.chat_template = conversation_turns(
-                self.processing_class, self.chat_template, self.chat_template_kwargs, self.eos_token_ids,
+            chat_turns, chat_template = conversation_turns(
+                processing_class, self.chat_template, self.chat_template_kwargs, self.eos_token_ids,
                 "tool" if self.environment_factory is not None else "user")
-        render = PromptRenderer(self.processing_class, lambda prompts: self._tokenize_prompts(prompts)[0],
-                                self.chat_template, self.chat_template_kwargs, reads_images=self._is_vlm,
-                                chat_turns=chat_turns, env_name=self.env_name)
+            if own:
+                self.chat_template = chat_template
+        tokenize = (lambda prompts: self._tokenize_prompts(prompts)[0]) if own else functools.partial(
+            _chat_template_ids, processing_class, chat_template, self.chat_template_kwargs)
+        render = PromptRenderer(processing_class, tokenize, chat_template, self.chat_template_kwargs,
+                                reads_images=self._is_vlm, chat_turns=chat_turns, env_name=self.env_name)
+        tokenizer = getattr(processing_class, "tokenizer", processing_class)
         return TurnGenerator(
-            render, TRLGeneration(self), self.eos_token_ids[0],
-            decode=lambda ids: self._tokenizer.decode(ids, skip_special_tokens=True),
+            render, TRLGeneration(self) if backend is None else backend, self.eos_token_ids[0],
+            decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
             prompt_token_limit=prompt_token_limit(getattr(self.model.config, "max_position_embeddings", None),
                                                   self.args.vllm_max_model_length if self.use_vllm else None,
                                                   self.max_completion_length),
             drop_oldest_target=self.args.drop_oldest_target if self.args.context_overflow == "drop_oldest" else None,
-            prefix_cache=generation_prefix_cache(self),
+            prefix_cache=generation_prefix_cache(self) if own else prefix_cache,
         )
 
     # ------------------------------------------------------------------------------------------
@@ -232,12 +267,19 @@ class GiGPOTrainer(GiGPOLossMixin, RunLogsMixin, GRPOTrainer):
         if mode == "train" and self._last_rollout_end is not None:
             update_seconds = started - self._last_rollout_end - self._seconds_outside_updates
 
-        # 1. Rollout: N copies of each task, one batched generation per turn.
+        # 1. Rollout: N copies of each task, one batched generation per turn; with async_staleness, the one the
+        #    producer played ahead of this update (`gigpo_trl.async_rollouts`).
         group_size = self.num_generations if mode == "train" else self.num_generations_eval
-        tasks = self._tasks(inputs, group_size, mode)
         greedy = mode == "eval" and self.args.eval_greedy
-        pool = self._pool(mode, len(tasks), group_size)
-        rollout = self._play(pool, tasks, greedy)
+        produced = None
+        if mode == "train" and self.args.async_staleness is not None:
+            produced = self._produced(inputs)
+            rollout, retried_resets = produced.rollout, produced.retried_resets
+        else:
+            tasks = self._tasks(inputs, group_size, mode)
+            pool = self._pool(mode, len(tasks), group_size)
+            rollout = self._play(pool, tasks, greedy)
+            retried_resets = pool.take_retried_resets()
         rollout_seconds = time.perf_counter() - started
         if mode == "eval":
             self._eval_episodes += [PanelEpisode.of(episode, group_size, loops)
@@ -266,7 +308,7 @@ class GiGPOTrainer(GiGPOLossMixin, RunLogsMixin, GRPOTrainer):
                 rollout, samples, self.args.reward_std_filter_ratio, seed=self.args.seed, step=self.state.global_step,
                 process=self.accelerator.process_index, gather=lambda stds: gather_object([stds]))
         self.last_rollout = rollout
-        failures = self._rollout_failures(pool, rollout)
+        failures = self._rollout_failures(rollout, retried_resets)
         # A training rollout in which every trajectory failed by its environment trains on nothing: its update does
         # not step the optimizer (`compute_loss`).
         self._update_without_trajectories = mode == "train" and failures.all_failed
@@ -286,13 +328,15 @@ class GiGPOTrainer(GiGPOLossMixin, RunLogsMixin, GRPOTrainer):
         else:  # no sample to train on here: zero-weight stand-ins keep this process in lock-step
             rows, advantages = [], [0.0] * len(weights)
             completions = [self.turns.dummy_completion(nan_logprob=self.use_vllm)] * len(weights)
-        batch = loss_batch(self, completions, weights, advantages, mode, sampled=not greedy)
+        # 5. With async_staleness: each row's lag behind the weights that train on it (decoupled PPO, `loss_batch`).
+        staleness = [produced.staleness] * len(completions) if produced is not None else None
+        batch = loss_batch(self, completions, weights, advantages, mode, sampled=not greedy, staleness=staleness)
 
-        # 5. Metrics, records and completion logs.
+        # 6. Metrics, records and completion logs.
         times = RolloutTimes(rollout_seconds, rollout.generation_seconds, rollout.env_seconds, advantage_seconds)
         update_samples = [r for r, w in zip(rows, weights) if w]
         metrics = self._log_rollout_metrics(mode, rollout, gigpo, times, update_seconds, update_samples, sampling,
-                                            std_filter)
+                                            std_filter, produced=produced)
         self._report_failures(mode, failures)
         self._write_records(mode, metrics, rollout, gigpo, failures)
         if self.log_completions:
@@ -303,10 +347,111 @@ class GiGPOTrainer(GiGPOLossMixin, RunLogsMixin, GRPOTrainer):
                 self._stop_unable_to_play()
         return batch
 
-    def _rollout_failures(self, pool: EnvPool, rollout: Rollout) -> RolloutFailures:
+    def _rollout_failures(self, rollout: Rollout, retried_resets: Counter[str]) -> RolloutFailures:
         """The environment failures of the rollout (every round of dynamic sampling), over all processes."""
         process = self.accelerator.process_index if self.accelerator.num_processes > 1 else None
-        return merge(gather_object([RolloutFailures.of(rollout.episodes, pool.take_retried_resets(), process)]))
+        return merge(gather_object([RolloutFailures.of(rollout.episodes, retried_resets, process)]))
+
+    # ------------------------------------------------------------------------------------------
+    # Rollouts that run ahead of the update (async_staleness, `gigpo_trl.async_rollouts`).
+    # ------------------------------------------------------------------------------------------
+
+    def _check_async(self) -> None:
+        """What the producer cannot serve, refused when the trainer is built (the config refuses the rest)."""
+        sharded = ("ZeRO-3" if self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3
+                   else "FSDP" if self.is_fsdp_enabled else None)
+        problem = (f"the model is sharded ({sharded}): the producer's snapshot holds the whole policy" if sharded else
+                   "the model reads images: the producer's turns render text" if self._is_vlm else
+                   "the prefix cache cannot serve this model (said in the warning above): the producer generates "
+                   "through it" if self.turns.prefix_cache is None else None)
+        if problem:
+            raise ValueError(f"async_staleness={self.args.async_staleness} cannot run here: {problem}. Leave "
+                             "async_staleness None (synchronous)")
+
+    def _produced(self, inputs: list[dict[str, Any]]) -> ProducedRollout:
+        """The rollout of this generation from the producer (started on first use), after handing it the weights
+        trained so far; refused if it played other tasks than the trainer's batch."""
+        if self._producer is None:
+            self._start_producer()
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        self._producer.publish(self._rollouts_consumed, trainable_weights(unwrapped, trainable_only=self._peft()))
+        produced = self._producer.take(self._rollouts_consumed)
+        self._rollouts_consumed += 1
+        if [row.get("seed") for row in produced.rows] != [row.get("seed") for row in inputs]:
+            raise ProducerFailed(f"the rollout producer played the tasks of seeds {[r.get('seed') for r in produced.rows]}"
+                                 f" where the trainer's batch holds {[r.get('seed') for r in inputs]}")
+        return produced
+
+    def _peft(self) -> bool:
+        return hasattr(self.accelerator.unwrap_model(self.model), "peft_config")
+
+    def _start_producer(self) -> None:
+        """The producer of `async_staleness`: a snapshot of the policy, a tokenizer and generation config of its own,
+        its own environment pool, and the trainer's task batches from the current generation on."""
+        generate_every = self.args.steps_per_generation * self.num_iterations
+        first = self.state.global_step * self.args.gradient_accumulation_steps // generate_every
+        self._rollouts_consumed = first
+        snapshot = copy.deepcopy(self.accelerator.unwrap_model(self.model)).eval().requires_grad_(False)
+        processing_class = copy.deepcopy(self.processing_class)
+        cache = PrefixCache()
+        backend = self.wrap_producer_backend(
+            SnapshotGeneration(snapshot, cache, copy.deepcopy(self.generation_config), self._tokenizer.pad_token_id,
+                               tuple(self.eos_token_ids), self.accelerator.autocast),
+            getattr(processing_class, "tokenizer", processing_class))
+        turns = self._turn_generator(conversation=self.dialogue.history_length is None,
+                                     processing_class=processing_class, backend=backend, prefix_cache=cache)
+        dialogue = (ToolCallDialogue(processing_class, self.dialogue.history_length)
+                    if isinstance(self.dialogue, ToolCallDialogue) else self.dialogue)
+        group_size = self.num_generations
+        tasks_per_batch = self.args.per_device_train_batch_size * self.args.steps_per_generation // group_size
+        pool = EnvPool(env_factory(self.env, **self.args.env_kwargs), tasks_per_batch, group_size,
+                       step_timeout=self.args.step_timeout, reset_attempts=self.args.env_reset_attempts,
+                       processes=self.args.env_processes, name=self.env_name, warn_each_failure=False)
+        index = itertools.count(first)
+
+        def play(rows: list[dict[str, Any]], stopped: Callable[[], bool], stale: bool) -> tuple[Rollout, Counter[str]]:
+            step = next(index) * generate_every // self.args.gradient_accumulation_steps
+
+            def turn(prompts, tools):
+                if stopped():
+                    raise ProducerStopped
+                return turns(prompts, tools)
+
+            with turns.rollout():
+                rollout = collect_rollout(pool, self._tasks(rows, group_size, "train", step=step), turn,
+                                          max_env_steps=self.args.max_env_steps, dialogue=dialogue, show_progress=False)
+            return self._with_behaviour_logps(rollout, snapshot) if stale else rollout, pool.take_retried_resets()
+
+        self._producer = RolloutProducer(play, functools.partial(load_weights, snapshot),
+                                         generation_batches(self.get_train_dataloader(), generate_every, first),
+                                         staleness=self.args.async_staleness, first_index=first, version=first,
+                                         on_close=pool.close)
+        self._producer.start()
+
+    def _with_behaviour_logps(self, rollout: Rollout, model: torch.nn.Module) -> Rollout:
+        """The rollout with each answer's behaviour log-probs: `model`'s, token by token (the producer's snapshot that
+        played it), scored by the trainer's forward pass."""
+        completions = rollout.steps.completion
+        if not completions:
+            return rollout
+        batch = padded_batch(completions, [1.0] * len(completions), [0.0] * len(completions),
+                             pad_token_id=self._tokenizer.pad_token_id, pad_to_multiple_of=self.pad_to_multiple_of,
+                             truncation_end_ids=None, device=self.accelerator.device)
+        input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+        attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+        with torch.no_grad():
+            logps = self._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, batch["completion_ids"].size(1),
+                batch_size=self.args.max_step_samples_per_micro_batch or self.args.per_device_train_batch_size)[0]
+        rollout.steps.completion = [replace(completion, logprobs=logps[row, :len(completion.completion_ids)].tolist())
+                                    for row, completion in enumerate(completions)]
+        return rollout
+
+    def close_producer(self) -> None:
+        """Stop the async producer and its environments (a later training rollout starts a new one)."""
+        if self._producer is not None:
+            self._producer.close()
+            self._producer = None
 
     def _report_failures(self, mode: str, failures: RolloutFailures) -> None:
         """Say a rollout's environment failures once (the pools do not warn of each)."""
@@ -345,12 +490,15 @@ class GiGPOTrainer(GiGPOLossMixin, RunLogsMixin, GRPOTrainer):
             anchor_step_groups([0], [start.anchor], [0], self.args.similarity_threshold)  # raises for a non-text anchor
         self.turns.render([self.dialogue.prompt(start, start, [], 0)], [self.dialogue.tools(start)])
 
-    def _tasks(self, rows: list[dict[str, Any]], group_size: int, mode: str, round_: int = 0) -> list[Task]:
+    def _tasks(self, rows: list[dict[str, Any]], group_size: int, mode: str, round_: int = 0,
+               step: int | None = None) -> list[Task]:
         """The tasks of a batch of rows, `group_size` consecutive copies of each. Rows in TRL's shape get fresh seeds
-        at every training step, process and round of dynamic sampling, and fixed ones for evaluation (`row_tasks`)."""
+        at every training step (`step`, default the current one: the async producer names the step that will train on
+        them), process and round of dynamic sampling, and fixed ones for evaluation (`row_tasks`)."""
         if self.environment_factory is None:
             return tasks_from_rows(rows, group_size)
-        salt = f"{self.state.global_step}-{self.accelerator.process_index}" if mode == "train" else "eval"
+        step = self.state.global_step if step is None else step
+        salt = f"{step}-{self.accelerator.process_index}" if mode == "train" else "eval"
         if round_:
             salt += f"-round{round_}"
         return row_tasks(rows, group_size, salt=f"{self.args.seed}-{salt}")
@@ -436,8 +584,9 @@ class GiGPOTrainer(GiGPOLossMixin, RunLogsMixin, GRPOTrainer):
         return pool
 
     def close_environments(self) -> None:
-        """Stop the environment worker processes and their fork server (they also stop when the program exits); a
-        later rollout starts new ones, forked by a fork server of their pool's own."""
+        """Stop the environment worker processes and their fork server, and the async producer with its own (they also
+        stop when the program exits); a later rollout starts new ones, forked by a fork server of their pool's own."""
+        self.close_producer()
         for pool in self._pools.values():
             pool.close()
         self._pools.clear()

@@ -67,7 +67,8 @@ def main(options: argparse.Namespace) -> None:
         max_steps=2, max_env_steps=15, max_completion_length=8, learning_rate=1e-3, logging_steps=1,
         report_to=[], activation_checkpointing=False, shuffle_dataset=False, seed=0, per_device_eval_batch_size=4,
         bf16=False, beta=options.beta, entropy_coef=options.entropy_coef,
-        max_step_samples_per_micro_batch=options.max_step_samples, packed_update=not options.plain_update, **sampling,
+        max_step_samples_per_micro_batch=options.max_step_samples, packed_update=not options.plain_update,
+        async_staleness=options.async_staleness, **sampling,
         **({"save_strategy": "steps", "save_steps": options.save_steps} if options.save_steps else {"save_strategy": "no"}),
     )
     peft_config = None
@@ -75,7 +76,7 @@ def main(options: argparse.Namespace) -> None:
         from peft import LoraConfig
 
         peft_config = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM")
-    lengths = options.lengths * 2  # two rollouts
+    lengths = options.lengths * 3  # two rollouts, a third for a producer that runs ahead
     if options.env_name == "tool_counter":
         prompts = [[{"role": "user", "content": f"Task {k}."}] for k in range(len(lengths))]
         trainer = scripted_tool_trainer(options.model_dir, args=config, train_dataset=Dataset.from_dict({"prompt": prompts}),
@@ -93,7 +94,7 @@ def main(options: argparse.Namespace) -> None:
     after = parameter_snapshot(trainer.model)
     rollouts = {"train": rollout_facts(trainer)}
     evaluation = {}
-    if options.env_name not in ("tool_counter", "fails_on_step") and not sampling:
+    if options.env_name not in ("tool_counter", "fails_on_step") and not sampling and options.async_staleness is None:
         evaluation = trainer.evaluate()
         rollouts["eval"] = rollout_facts(trainer)
     trainer.close_environments()
@@ -168,6 +169,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--lora", action="store_true", help="train a LoRA adapter (r 8, all linear layers)")
     parser.add_argument("--save-steps", type=int, default=None, help="save a checkpoint every this many steps")
     parser.add_argument("--resume-from", default=None, help="a checkpoint folder to resume training from")
+    parser.add_argument("--async-staleness", type=int, default=None,
+                        help="rollouts played ahead of the update by at most this many updates (async_staleness)")
     parser.add_argument("--reward-std-filter-ratio", type=float, default=None,
                         help="train with reward-std filtering at this ratio (reward_std_filter_ratio)")
     return parser.parse_args()

@@ -62,8 +62,10 @@ def text_answer(corridor=corridor_answer):
 
 
 def scripted(trainer: GiGPOTrainer, answer) -> GiGPOTrainer:
-    """`trainer` with its turns answered by `answer(prompt, tools, position)` (`ScriptedBackend`)."""
+    """`trainer` with its turns answered by `answer(prompt, tools, position)` (`ScriptedBackend`), the async
+    producer's (`async_staleness`) with its own tokenizer."""
     trainer.turns.backend = ScriptedBackend(trainer.turns.backend, answer, trainer.processing_class)
+    trainer.wrap_producer_backend = lambda backend, tokenizer: ScriptedBackend(backend, answer, tokenizer)
     return trainer
 
 

@@ -357,3 +357,38 @@ def test_the_text_environment_trains_under_gigpo_with_its_template(tmp_path, tin
     trainer.close_environments()
     log = next(entry for entry in trainer.state.log_history if "env/success_rate" in entry)
     assert log["env/success_rate"] == 1.0 and log["env/score"] == 100.0 and log["env/purchased"] == 1.0
+
+
+def test_the_gpu_recipe_trains_on_webshop_s_files_on_cpu(tmp_path, tiny_model_path):
+    """recipes/configs/webshop_gpu.yaml as the recipe parses it, cut to one CPU update of the tiny model on the sample of
+    WebShop's files; the walkthrough scripted as the answers."""
+    from trl import ModelConfig, TrlParser
+
+    from gigpo_trl import GiGPOConfig, TaskArguments
+
+    config = Path(__file__).resolve().parents[1] / "recipes" / "configs" / "webshop_gpu.yaml"
+    env_kwargs = {**SAMPLE, "reward": "success"}
+    task_args, args, _ = TrlParser((TaskArguments, GiGPOConfig, ModelConfig)).parse_args_and_config(args=[
+        "--config", str(config), "--output_dir", str(tmp_path), "--env_kwargs", json.dumps(env_kwargs),
+        "--eval_fold", "test", "--num_train_tasks", "1", "--num_eval_tasks", "0", "--use_vllm", "false", "--bf16", "false",
+        "--dtype", "float32", "--max_steps", "1", "--per_device_train_batch_size", "8", "--steps_per_generation", "1",
+        "--gradient_accumulation_steps", "1", "--max_completion_length", "8", "--activation_checkpointing", "false",
+        "--save_strategy", "no", "--eval_strategy", "no", "--report_to", "none", "--env_processes", "false"])
+
+    def walk(prompt, tools, position):
+        text = prompt_messages(prompt)[-1]["content"]
+        env = WebShopEnv(**SAMPLE)
+        task = text.split("Your task is to: ")[1].split(".\n")[0]
+        next(s for s in range(9) if env.reset(seed=s)[1]["task"] == task)
+        step = int(text.split("observation (step ")[1].split(")")[0])
+        return f"<action>{env.walkthrough[step]}</action>"
+
+    with pytest.raises(ValueError, match="the train fold of 'webshop' has 0 tasks"):
+        task_args.datasets(args.env_name, args.env_kwargs)  # a 5-product sample: every goal is a test goal
+    train = task_dataset(range(1))
+    trainer = scripted(GiGPOTrainer(tiny_model_path, args=args, train_dataset=train), walk)
+    trainer.train()
+    trainer.close_environments()
+    assert (args.num_generations, args.history_length, args.max_env_steps, args.gamma) == (8, 2, 15, 0.95)  # the paper's
+    log = next(entry for entry in trainer.state.log_history if "env/success_rate" in entry)
+    assert log["env/success_rate"] == 1.0 and log["env/score"] == 100.0
