@@ -17,7 +17,8 @@ policy, each stale row's tokens weighted by proximal / behaviour, truncated or m
 modes and thresholds (`vllm_importance_sampling_mode`, `_clip_min`, `_clip_max`; `gigpo_trl.batch`). A row whose
 staleness is 0 was sampled by the proximal policy itself: its weight is 1 and nothing about it changes.
 
-**The snapshot.** A copy of the model the trainer made when the producer started; after each consumed rollout the
+**The snapshot.** A copy of the model the trainer made when the producer started (`policy_snapshot`: TRL's patched
+forwards re-pointed at the copy); after each consumed rollout the
 trainer publishes its weights (every parameter, or a LoRA model's trainable ones: the adapter), and the producer loads
 the newest published weights before each rollout it plays. It generates through the prefix cache, with its own copy
 of the tokenizer, and in its own environment pool.
@@ -28,9 +29,11 @@ the producer at its next turn and closes its environments.
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
 import traceback
+import types
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -209,6 +212,49 @@ def generation_batches(loader: Any, every: int, skip: int) -> Iterator[list[dict
                     yield batch
                 generation += 1
             position += 1
+
+
+def policy_snapshot(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of `model` that reads only its own weights, in eval mode, without gradients or activation checkpointing.
+
+    `copy.deepcopy` copies modules and tensors but not functions: a forward patched onto an instance keeps the closure
+    it was made with, so the copy's forward would still call the original model (TRL's fused LM head keeps the
+    original's bound `forward`, its fp32 LM head cast keeps the original `lm_head`). Every such closure is rebuilt with
+    the copies of the objects it held (`_rebound`).
+    """
+    copied: dict[int, Any] = {}
+    snapshot = copy.deepcopy(model, copied)
+    for module in snapshot.modules():
+        if "forward" in module.__dict__:
+            module.forward = _rebound(module.__dict__["forward"], copied)
+    if getattr(snapshot, "is_gradient_checkpointing", False):  # it would drop the key-value cache generation keeps
+        snapshot.gradient_checkpointing_disable()
+    return snapshot.eval().requires_grad_(False)
+
+
+def _rebound(value: Any, copied: dict[int, Any]) -> Any:
+    """`value` with every object of the original that `copy.deepcopy` copied (its memo, `copied`) replaced by its copy,
+    through bound methods and function closures."""
+    if id(value) in copied:
+        return copied[id(value)]
+    if isinstance(value, types.MethodType):
+        return types.MethodType(_rebound(value.__func__, copied), _rebound(value.__self__, copied))
+    if isinstance(value, types.FunctionType) and value.__closure__:
+        cells = tuple(types.CellType(_rebound(cell.cell_contents, copied)) if _filled(cell) else cell
+                      for cell in value.__closure__)
+        function = types.FunctionType(value.__code__, value.__globals__, value.__name__, value.__defaults__, cells)
+        function.__kwdefaults__, function.__dict__ = value.__kwdefaults__, dict(value.__dict__)
+        function.__qualname__, function.__doc__ = value.__qualname__, value.__doc__
+        return function
+    return value
+
+
+def _filled(cell: types.CellType) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:  # a variable the function closes over that was never assigned
+        return False
+    return True
 
 
 def trainable_weights(model: torch.nn.Module, trainable_only: bool) -> dict[str, torch.Tensor]:

@@ -24,7 +24,7 @@ from trl import GRPOTrainer
 from gigpo_trl.advantages import GiGPOAdvantages, anchor_step_groups, compute_gigpo_advantages
 from gigpo_trl.async_rollouts import (
     ProducedRollout, ProducerFailed, ProducerStopped, RolloutProducer, generation_batches, load_weights,
-    trainable_weights,
+    policy_snapshot, trainable_weights,
 )
 from gigpo_trl.batch import loss_batch, padded_batch, rows_for_update
 from gigpo_trl.config import GiGPOConfig
@@ -391,7 +391,7 @@ class GiGPOTrainer(GiGPOLossMixin, RunLogsMixin, GRPOTrainer):
         generate_every = self.args.steps_per_generation * self.num_iterations
         first = self.state.global_step * self.args.gradient_accumulation_steps // generate_every
         self._rollouts_consumed = first
-        snapshot = copy.deepcopy(self.accelerator.unwrap_model(self.model)).eval().requires_grad_(False)
+        snapshot = policy_snapshot(self.accelerator.unwrap_model(self.model))
         processing_class = copy.deepcopy(self.processing_class)
         cache = PrefixCache()
         backend = self.wrap_producer_backend(

@@ -14,12 +14,13 @@ from scripted_policy import scripted_trainer
 from toy_envs import Corridor
 from trainer_helpers import cpu_config, parameters
 
-from gigpo_trl.async_rollouts import ProducerFailed
+from gigpo_trl.async_rollouts import ProducerFailed, policy_snapshot
 from gigpo_trl.batch import behaviour_weighted_advantages, importance_sampling_ratio
 from gigpo_trl.config import GiGPOConfig
 from gigpo_trl.envs import register_env
 from gigpo_trl.records import read_iterations
 from gigpo_trl.tasks import task_dataset
+from gigpo_trl.trainer import GiGPOTrainer
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -134,6 +135,44 @@ def test_at_staleness_1_the_behaviour_log_probs_are_the_previous_weights_and_the
     plain_advantages = batch["advantages"][:, 0] / ratio[:, 0]
     expected = plain_advantages.unsqueeze(1) * ratio
     assert torch.allclose(batch["advantages"][real], expected[real], atol=1e-5)
+
+
+# TRL 1.16 cannot cast a tied LM head to fp32 under PEFT (it looks for the embeddings on the PEFT wrapper's child)
+@pytest.mark.parametrize("lora, fp32_head", [(False, True), (True, False)])
+def test_the_producer_s_snapshot_reads_its_own_weights_and_keeps_its_cache_when_the_trainer_s_change(
+        tmp_path, tiny_model_path, lora, fp32_head):
+    """TRL patches the model's forward (the fused LM head, the fp32 LM head cast) with closures over the model itself;
+    a plain deep copy would generate with the trainer's live weights, and with activation checkpointing on, without a
+    key-value cache."""
+    from peft import LoraConfig
+
+    config = cpu_config(tmp_path, env_name="corridor", activation_checkpointing=True,
+                        cast_lm_head_to_fp32=fp32_head)
+    trainer = GiGPOTrainer(tiny_model_path, args=config, train_dataset=task_dataset(range(4)),
+                           peft_config=LoraConfig(r=4, target_modules="all-linear") if lora else None)
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    model.train()
+    model.gradient_checkpointing_enable()  # as while the trainer updates
+    snapshot = policy_snapshot(model)
+    input_ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+
+    def read(module):
+        with torch.no_grad():
+            output = module(input_ids=input_ids, use_cache=True)
+            logps = trainer._get_per_token_logps_and_entropies(module, input_ids, torch.ones_like(input_ids), 3)[0]
+        return output, logps
+
+    before, before_logps = read(snapshot)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(torch.randn_like(parameter))
+    after, after_logps = read(snapshot)
+
+    assert torch.equal(before.logits, after.logits) and torch.equal(before_logps, after_logps)
+    assert after.past_key_values is not None and after.past_key_values.get_seq_length() == input_ids.size(1)
+    assert not torch.equal(read(model)[1], after_logps)  # the trainer's own forward reads its new weights
+    assert not snapshot.training and not any(p.requires_grad for p in snapshot.parameters())
+    trainer.close_environments()
 
 
 def test_the_decoupled_ppo_loss_is_the_hand_written_one():
