@@ -43,6 +43,9 @@ The checks:
   qlora_vllm_adapter qlora with vLLM colocate in the adapter mode: vLLM loads the base in 4 bits itself (TRL asks
                      for quantization "bitsandbytes"); refused at construction where vLLM has no bitsandbytes
   vllm_server        vllm_colocate's checks with `vllm serve` on localhost (vllm_mode server) on the same GPU
+  async_rollouts     train_full_bf16 with rollouts played by the producer thread, async_staleness 0 and 1: the
+                     async metrics logged at every iteration, no rollout older than the setting, a behaviour ratio of
+                     1 at 0; seconds per iteration of both (the speed-up of running one update ahead)
   packed_update      bench/bench_conversation.py's whole conversations (T = 20 and 50, ALFWorld's shape) on a random
                      SmolLM2-135M (all 30 layers), fp32: the packed update with FlexAttention's block mask against the
                      same step samples as plain rows: log-probs and every gradient equal (1e-3), seconds, peak memory
@@ -140,6 +143,8 @@ CHECKS = (
     Check("qlora_vllm_adapter", ("cuda", "embedded_model", "vllm", "peft", "bitsandbytes"), 900,
           "4-bit base with LoRA, vLLM colocate in the adapter mode"),
     Check("vllm_server", ("cuda", "embedded_model", "vllm"), 1200, "vllm serve on localhost, vllm_mode server"),
+    Check("async_rollouts", ("cuda", "embedded_model"), 900,
+          "rollouts one update ahead (async_staleness 1) beside the synchronous run (0): metrics, seconds"),
     Check("packed_update", ("cuda", "embedded_model"), 900,
           "whole conversations packed (FlexAttention) against plain rows: exactness, seconds, peak memory"),
     Check("update_memory", ("cuda", "embedded_model"), 900, "update peak memory against the micro-batch bound"),
@@ -193,9 +198,10 @@ def probe_requirements(names: Sequence[str]) -> dict[str, bool]:
 
 def train_once(model: str, output_dir: str, *, lora: bool = False, max_steps: int = 3, use_vllm: bool = False,
                model_dtype: str | None = None, learning_rate: float | None = None, vllm: dict | None = None,
-               four_bit: bool = False) -> dict:
+               four_bit: bool = False, async_staleness: int | None = None) -> dict:
     """A short real GiGPO run on 6x6 Sokoban; checks what a user's first GPU run must show. `four_bit`: the base
-    loaded in 4 bits (bitsandbytes NF4, bf16 compute: QLoRA with `lora`).
+    loaded in 4 bits (bitsandbytes NF4, bf16 compute: QLoRA with `lora`). `async_staleness`: rollouts played by the
+    producer thread (on the same GPU) at most that many updates ahead; its metrics are checked too.
 
     Returns figures (seconds, losses, metrics of the last iteration, share of weights changed, peak memory) and
     `problems`: a list of what went wrong (empty: passed). Works under `accelerate launch` (DeepSpeed) too; only
@@ -216,7 +222,7 @@ def train_once(model: str, output_dir: str, *, lora: bool = False, max_steps: in
         max_env_steps=6, max_completion_length=48, max_step_samples_per_micro_batch=16, max_steps=max_steps,
         learning_rate=learning_rate or (1e-4 if lora else 1e-5), bf16=torch.cuda.is_available(), activation_checkpointing=True,
         logging_steps=1, report_to=[], save_strategy="no", seed=0, log_trajectories=2,
-        model_init_kwargs={"dtype": model_dtype} if model_dtype else None,
+        model_init_kwargs={"dtype": model_dtype} if model_dtype else None, async_staleness=async_staleness,
     )
     if four_bit:
         from transformers import BitsAndBytesConfig
@@ -300,8 +306,38 @@ def train_once(model: str, output_dir: str, *, lora: bool = False, max_steps: in
         problems.append("no weight changed")
     if use_vllm:
         problems += vllm_problems(figures)
+    if async_staleness is not None:
+        figures.update(async_figures(logs))
+        problems += async_problems(figures, async_staleness)
     figures["problems"] = problems
     return figures
+
+
+ASYNC_KEYS = ("async/staleness_mean", "async/staleness_max", "async/trainer_wait_s", "async/producer_wait_s",
+              "async/behaviour_ratio/mean", "async/behaviour_masked_share")
+
+
+def async_figures(logs: Sequence[dict]) -> dict[str, list]:
+    """The async producer's metrics of each logged training iteration (None where one was not logged)."""
+    return {key: [entry.get(key) for entry in logs] for key in ASYNC_KEYS}
+
+
+def async_problems(figures: dict, staleness: int) -> list[str]:
+    """What an async run's metrics say went wrong: a metric missing or not finite at an iteration, a rollout older
+    than `staleness` updates, and at staleness 0 a behaviour ratio other than 1 (its rollouts are on-policy)."""
+    problems = []
+    for key in ("async/staleness_mean", "async/staleness_max", "async/trainer_wait_s"):
+        values = figures.get(key) or []
+        if not values or not all(value is not None and math.isfinite(value) for value in values):
+            problems.append(f"{key} not logged and finite at every iteration: {values}")
+    too_stale = [value for value in figures.get("async/staleness_max") or [] if value is not None and value > staleness]
+    if too_stale:
+        problems.append(f"rollouts {max(too_stale):g} updates old, above async_staleness={staleness}")
+    if staleness == 0:
+        ratios = [value for value in figures.get("async/behaviour_ratio/mean") or [] if value is not None]
+        if any(abs(value - 1.0) > 1e-6 for value in ratios):
+            problems.append(f"behaviour ratio {ratios} at async_staleness=0, where every rollout is on-policy (1.0)")
+    return problems
 
 
 def sampling_figures(logs: Sequence[dict]) -> dict[str, list]:
@@ -641,6 +677,19 @@ def check_fsdp2(options, log) -> dict:
                       launcher=accelerate_launcher("fsdp2.yaml", num_processes=1), log=log)
 
 
+def check_async_rollouts(options, log) -> dict:
+    """train_full_bf16 with the producer at async_staleness 0 (the synchronous run through it) and 1 (rollouts one
+    update ahead): both train and log their async metrics; seconds per iteration side by side."""
+    runs = {staleness: check_train(options, log, async_staleness=staleness) for staleness in (0, 1)}
+    result = {f"staleness_{staleness}": run for staleness, run in runs.items()}
+    seconds = [run.get("seconds_per_iteration") for run in runs.values()]
+    if all(seconds):
+        result["speedup_at_1"] = seconds[0] / seconds[1]
+    result["problems"] = [f"async_staleness={staleness}: {problem}" for staleness, run in runs.items()
+                          for problem in run.get("problems", [])]
+    return result
+
+
 def check_packed_update(options, log) -> dict:
     return run_worker("packed_update", {"model": options.model}, check_timeout(options, 900), log=log)
 
@@ -750,6 +799,7 @@ RUNNERS: dict[str, Callable] = {
     "qlora_vllm_adapter": lambda options, log: check_train(options, log, use_vllm=True, lora=True, four_bit=True,
                                                            learning_rate=1e-3, vllm={"vllm_lora_sync": "adapter"}),
     "vllm_server": check_vllm_server,
+    "async_rollouts": check_async_rollouts,
     "packed_update": check_packed_update,
     "update_memory": check_update_memory,
     "model_size_ladder": check_model_size_ladder,
@@ -877,6 +927,15 @@ def _figures_text(name: str, figures: dict) -> str:
             text += f"; syncs {', '.join(_number(v) for v in figures['sync_seconds'])} s"
         if figures.get("adapter_sync_mib") is not None:
             text += f" of {_number(figures['adapter_sync_mib'])} MiB (the adapter)"
+    elif name == "async_rollouts":
+        text = "; ".join(
+            f"staleness {staleness}: {_number(run.get('seconds_per_iteration'))} s an iteration, loss "
+            f"{', '.join(_number(v) for v in run.get('losses', []))}, stale at most "
+            f"{_number(max((v for v in run.get('async/staleness_max') or [] if v is not None), default=None))}, trainer "
+            f"waited {', '.join(_number(v) for v in run.get('async/trainer_wait_s') or [])} s"
+            for staleness, run in ((s, figures.get(f"staleness_{s}", {})) for s in (0, 1)) if "iterations" in run)
+        if figures.get("speedup_at_1") is not None:
+            text += f"; staleness 1 is {_number(figures['speedup_at_1'])}x the speed of 0"
     elif name == "update_memory":
         text = "; ".join(f"bound {r['bound']}, {r['step_samples']:.0f} samples: {_number(_added_mib(r))} MiB added"
                          for r in figures.get("runs", []) if _added_mib(r) is not None)

@@ -257,3 +257,30 @@ def test_the_packed_update_check_compares_both_paths_and_dry_runs_on_cpu():
     row = figures["steps"]["3"]
     assert row["step_samples"] == 6 and row["packed"]["seconds"] > 0 and row["plain_rows"]["seconds"] > 0
     assert row["max_log_prob_difference"] < 1e-4 and row["max_relative_gradient_difference"] < 1e-4
+
+
+def test_an_async_run_must_log_its_metrics_keep_within_its_staleness_and_be_on_policy_at_zero():
+    fine = {"async/staleness_mean": [0.0, 1.0, 1.0], "async/staleness_max": [0.0, 1.0, 1.0],
+            "async/trainer_wait_s": [3.1, 0.2, 0.1], "async/behaviour_ratio/mean": [1.0, 0.98, 1.01]}
+    assert gpu_check.async_problems(fine, staleness=1) == []
+    assert gpu_check.async_problems(fine, staleness=0) == [
+        "rollouts 1 updates old, above async_staleness=0",
+        "behaviour ratio [1.0, 0.98, 1.01] at async_staleness=0, where every rollout is on-policy (1.0)"]
+    missing = {**fine, "async/trainer_wait_s": [3.1, None, 0.1]}
+    assert gpu_check.async_problems(missing, staleness=1) == [
+        "async/trainer_wait_s not logged and finite at every iteration: [3.1, None, 0.1]"]
+
+    run = {"iterations": 3, "seconds_per_iteration": 2.0, "losses": [0.1, 0.2, 0.3], **fine, "problems": []}
+    text = gpu_check._figures_text("async_rollouts", {"staleness_0": {**run, "seconds_per_iteration": 3.0},
+                                                      "staleness_1": run, "speedup_at_1": 1.5, "problems": []})
+    assert text.startswith("staleness 0: 3 s an iteration, loss 0.1, 0.2, 0.3, stale at most 1, trainer waited 3.1, 0.2, 0.1 s")
+    assert text.endswith("; staleness 1 is 1.5x the speed of 0")
+
+
+@pytest.mark.slow
+def test_the_async_check_s_training_run_dry_runs_on_cpu(tiny_model_path, tmp_path):
+    figures = gpu_check.train_once(tiny_model_path, str(tmp_path), max_steps=2, async_staleness=1)
+
+    assert figures["problems"] == [] and figures["iterations"] == 2
+    assert figures["async/staleness_max"][0] == 0.0  # the first rollout is played before any update
+    assert all(value <= 1.0 for value in figures["async/staleness_max"])
