@@ -32,6 +32,7 @@ CASES: dict[str, tuple[Any, str | None]] = {
     "compass": ({}, None),
     "rooms": ({}, None),
     "search_qa": ({}, None),
+    "webshop": ({"num_products": 100}, None),
     "sokoban": ({}, None),
     "visual_sokoban": ({"tile_size": 6}, None),
     "textworld": ({"challenge": "treasure_hunter", "level": 1}, None),
