@@ -64,7 +64,7 @@ def main(options: argparse.Namespace) -> None:
     config = GiGPOConfig(
         output_dir=options.output_dir, env_name=options.env_name, num_generations=2, steps_per_generation=1,
         gradient_accumulation_steps=1, per_device_train_batch_size=TRAJECTORIES // _world_size(),
-        max_steps=2, max_env_steps=15, max_completion_length=8, learning_rate=1e-3, logging_steps=1,
+        max_steps=options.max_steps, max_env_steps=15, max_completion_length=8, learning_rate=1e-3, logging_steps=1,
         report_to=[], activation_checkpointing=False, shuffle_dataset=False, seed=0, per_device_eval_batch_size=4,
         bf16=False, beta=options.beta, entropy_coef=options.entropy_coef,
         max_step_samples_per_micro_batch=options.max_step_samples, packed_update=not options.plain_update,
@@ -171,6 +171,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--resume-from", default=None, help="a checkpoint folder to resume training from")
     parser.add_argument("--async-staleness", type=int, default=None,
                         help="rollouts played ahead of the update by at most this many updates (async_staleness)")
+    parser.add_argument("--max-steps", type=int, default=2, help="updates the run trains")
     parser.add_argument("--reward-std-filter-ratio", type=float, default=None,
                         help="train with reward-std filtering at this ratio (reward_std_filter_ratio)")
     return parser.parse_args()

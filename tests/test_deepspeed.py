@@ -212,8 +212,8 @@ def test_two_zero2_processes_train_with_rollouts_one_update_ahead_without_hangin
     """async_staleness=1 on two processes under DeepSpeed ZeRO-2: each process's producer plays its own tasks ahead of
     the update with no collective call, while the trainers' collectives stay in their threads."""
     written = finished_run(deepspeed_launcher(2, num_processes=2, mixed_precision="no"), tiny_model_path, tmp_path,
-                           "--async-staleness", "1")
-    assert written["processes"] == 2 and written["zero_stage"] == 2 and len(written["logs"]) == 2
-    assert [log["async/staleness_max"] for log in written["logs"]] == [0.0, 1.0]
+                           "--async-staleness", "1", "--max-steps", "3")
+    assert written["processes"] == 2 and written["zero_stage"] == 2 and len(written["logs"]) == 3
+    assert [log["async/staleness_max"] for log in written["logs"]] == [0.0, 1.0, 1.0]
     parameters = torch.load(tmp_path / "parameters.pt")
     assert not all(torch.equal(parameters["before"][name], parameters["after"][name]) for name in parameters["before"])
