@@ -67,6 +67,28 @@ def _chat_template_ids(processing_class: Any, chat_template: str | None, chat_te
                                                 **chat_template_kwargs)["input_ids"]
 
 
+def refuse_fp32_head_on_tied_peft(model: Any, args: GiGPOConfig, peft_config: Any) -> None:
+    """Refuse `cast_lm_head_to_fp32` on a PEFT model whose LM head is tied to its input embeddings (SmolLM2, Qwen2.5
+    up to 3B): TRL 1.16 then hooks `model.model.embed_tokens` on the PEFT wrapper, which has no such attribute, and
+    fails with an AttributeError deep in its constructor."""
+    if not args.cast_lm_head_to_fp32 or (peft_config is None and not hasattr(model, "peft_config")):
+        return
+    if isinstance(model, str):
+        from transformers import AutoConfig  # noqa: PLC0415
+
+        init = args.model_init_kwargs or {}
+        config = AutoConfig.from_pretrained(model, revision=init.get("revision"),
+                                            trust_remote_code=init.get("trust_remote_code", args.trust_remote_code))
+    else:
+        config = model.config
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if getattr(text_config, "tie_word_embeddings", False):
+        raise ValueError("cast_lm_head_to_fp32=True cannot run with a PEFT adapter on a model whose LM head is tied to "
+                         "its input embeddings (tie_word_embeddings, as this model has): TRL 1.16's cast reaches for the "
+                         "embeddings through the PEFT wrapper and fails. Set cast_lm_head_to_fp32=False, or train "
+                         "without PEFT")
+
+
 class GiGPOTrainer(GiGPOLossMixin, RunLogsMixin, GRPOTrainer):
     """
     Trainer for Group-in-Group Policy Optimization (GiGPO), from "Group-in-Group Policy Optimization for
@@ -180,6 +202,7 @@ class GiGPOTrainer(GiGPOLossMixin, RunLogsMixin, GRPOTrainer):
                 environment_factory, reward_funcs, train_dataset, eval_dataset, tasks_per_rollout, args.max_steps)
         check_task_datasets(train_dataset, eval_dataset, tasks_per_rollout, seeds=environment_factory is None,
                             indexed=args.dynamic_sampling_max_rounds > 0)
+        refuse_fp32_head_on_tied_peft(model, args, peft_config)
         # Before TRL (its telemetry ping) or vLLM start a thread, so that it can be a fork of this process (fork_server.py)
         self._fork_server = ForkServer() if args.env_processes and "fork" in multiprocessing.get_all_start_methods() else None
         with vllm_engine_for(args, model, peft_config):  # vllm_lora_sync='adapter': vLLM starts with LoRA

@@ -106,6 +106,15 @@ def test_lora_trains_the_adapter_only_with_the_disabled_adapter_as_reference(tmp
     trainer.close_environments()
 
 
+def test_an_fp32_lm_head_under_lora_on_tied_embeddings_is_refused_by_name(tmp_path, tiny_model_path):
+    """The tiny model ties its LM head to its embeddings, as SmolLM2 does: TRL's cast would fail deep in its
+    constructor on the PEFT wrapper, so the trainer refuses it first; untied or without PEFT it is TRL's."""
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM")
+    with pytest.raises(ValueError, match="cast_lm_head_to_fp32=True cannot run with a PEFT adapter.*tied"):
+        GiGPOTrainer(tiny_model_path, args=cpu_config(tmp_path, cast_lm_head_to_fp32=True),
+                     train_dataset=task_dataset(range(8)), peft_config=lora)
+
+
 def test_resume_from_a_checkpoint_continues_training(tmp_path, tiny_model_path):
     first = GiGPOTrainer(tiny_model_path, args=cpu_config(tmp_path, save_strategy="steps", save_steps=2),
                          train_dataset=task_dataset(range(12)))
