@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import html
 import re
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -221,13 +222,19 @@ def _summed_up(chunks: Sequence[dict[str, Any]]) -> dict[str, float]:
 # ------------------------------------------------------------------------------------------
 
 
+def _answer_format(records: list[dict[str, Any]]) -> str:
+    """What a well-formed answer was in the run (the latest record that says it), e.g. "exactly one <action> block"."""
+    return next((record["answer_format"] for record in reversed(records) if record.get("answer_format")),
+                "the template's answer format")
+
+
 def _plot_outcomes(train: list[dict[str, Any]], evaluation: list[dict[str, Any]]) -> Figure:
     panels = (
         (SUCCESS_RATE, "Success rate", "share of episodes won"),
         (RETURN_MEAN, "Mean episode return", "return (sum of rewards)"),
         (EPISODE_LENGTH_MEAN, "Mean episode length", "environment steps per episode"),
         (INVALID_ACTION_RATE, "Off-format answers",
-         "share of answers without <action>...</action>\n(thin lines: of all answers, those still played)"),
+         textwrap.fill(f"share of answers not {_answer_format(train)}", 40) + "\n(thin lines: those still played)"),
     )
     figure = _metric_panels(train, evaluation, panels, {SUCCESS_RATE: SUCCESS_NOT_REPORTED}, shares=(0, 3))
     mapped = figure.axes[3]  # the off-format answers the lenient parser mapped onto an admissible action
@@ -516,8 +523,7 @@ def _metrics_table(train: list[dict[str, Any]], panels: list[dict[str, Any]]) ->
         count = f", {int(tasks)} task{'s' if tasks != 1 else ''}" if tasks else ""
         columns.append((f"held-out panel{name}{count}", panel))
     header = "".join(f"<th>{title}<br>(step {record['step']})</th>" for title, record in columns)
-    answer_format = next((record["answer_format"] for record in reversed(train) if record.get("answer_format")),
-                         "the template's answer format")
+    answer_format = _answer_format(train)
     rows = []
     records = [record for _, record in columns]
     shown = KEY_METRICS | (DYNAMIC_SAMPLING_METRICS if any(_dynamic_sampling(record) for record in train) else {})
@@ -569,11 +575,12 @@ def _rollout_details(mode_name: str, name: str, record: dict[str, Any] | None, e
         summary += (f" · step {record['step']} · success rate {_number(metrics.get(SUCCESS_RATE))}"
                     f" · mean return {_number(metrics.get(RETURN_MEAN))}")
     summary += f" · {len(episodes)} sample episodes"
-    body = "\n".join(_episode_details(episode) for episode in episodes) or "<p>No sample episodes recorded.</p>"
+    answer_format = _answer_format([record] if record is not None else [])
+    body = "\n".join(_episode_details(episode, answer_format) for episode in episodes) or "<p>No sample episodes recorded.</p>"
     return f'<details class="rollout"{" open" if open_ else ""}><summary>{summary}</summary>\n{body}\n</details>'
 
 
-def _episode_details(episode: dict[str, Any]) -> str:
+def _episode_details(episode: dict[str, Any], answer_format: str) -> str:
     # won is None where the environment did not say whether the task was won
     said, style = {True: ("won", "won"), False: ("not won", "lost"), None: ("success not reported", "")}[episode["won"]]
     outcome = [said]
@@ -600,7 +607,7 @@ def _episode_details(episode: dict[str, Any]) -> str:
             ("state after", "the state the action led to, numbered in the order the episode first visited its states "
                             "(#0: the start); 'stay': the state the step was taken in; 'turn back': the state it came "
                             "from; 'revisit': visited earlier in the episode (docs/metrics.md)"),
-            ("valid", "the answer had a well-formed <action> block; 'no, played' where it broke the format but named "
+            ("valid", f"the answer was {answer_format}; 'no, played' where it broke the format but named "
                       "an admissible action, which the lenient parser took"),
             ("reward", "r_t, received after the action"),
             ("step group", "how many step samples of the task group were taken in this state"),

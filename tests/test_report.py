@@ -187,6 +187,7 @@ def test_the_viewer_shows_every_step_of_every_sample_episode_with_its_fields(run
     for episode in trajectories["train-00003"]:
         assert f"seed {episode['seed']} · return {episode['return']:.3f} · {episode['length']} steps" in page
     assert 'class="won">won</span>' in page and "not won, truncated" in page
+    assert '<th title="the answer was exactly one &lt;action&gt; block; ' in page  # the run's own answer format
     # The copies that answer "left" in cell 0 at their first step stay there: a stay (a revisit of the start), marked.
     stays = [row for row in StepRows(page).rows if "stay" in row[4]]
     assert stays and {(row[0], row[3], row[4]) for row in stays} == {("0", "left", "#0 stay")}
@@ -324,9 +325,11 @@ def test_held_out_figures_are_the_panel_s_when_it_was_played_in_several_chunks(t
     panels = panel_records([r for r in read_iterations(tmp_path) if r["mode"] == "eval"], read_evaluations(tmp_path))
     assert len(panels) == 1 and panels[0]["metrics"]["env/step_samples"] == 180.0
     assert panels[0]["step_group_sizes"] == {1: 4, 2: 4}  # each chunk's one group of 1 and one of 2, added up
-    success_axes = _plot_outcomes([train], panels).axes[0]
-    evaluation_points = [line for line in success_axes.get_lines() if line.get_label().startswith("evaluation")]
+    outcomes = _plot_outcomes([train], panels)
+    evaluation_points = [line for line in outcomes.axes[0].get_lines() if line.get_label().startswith("evaluation")]
     assert [list(line.get_ydata()) for line in evaluation_points] == [[0.325]]  # one point: the panel's
+    assert " ".join(outcomes.axes[3].get_ylabel().split()).startswith(
+        "share of answers not exactly one <search> or <answer> block")
     singleton_axes = _plot_step_groups([train], panels).axes[1]
     (points,) = [line for line in singleton_axes.get_lines() if line.get_label().startswith("evaluation")]
     assert list(points.get_ydata()) == [pytest.approx(0.15)]  # 0, 0.1, 0.2, 0.3 over 10 step groups each
