@@ -12,6 +12,7 @@ import pytest
 import torch
 from scripted_policy import scripted_trainer
 from toy_envs import Corridor
+from transformers import TrainerCallback
 from trainer_helpers import cpu_config, parameters
 
 from gigpo_trl.async_rollouts import ProducerFailed, policy_snapshot
@@ -196,6 +197,19 @@ def test_the_decoupled_ppo_loss_is_the_hand_written_one():
         torch.exp(((proximal - behaviour) * mask).sum(1)).tolist())
 
 
+class SlowUpdatesAt(TrainerCallback):
+    """Updates that take 2 s more at the given steps: a slow update, during which the producer runs as far ahead as its
+    bound admits (without it, the tiny model's updates are as fast as its rollouts, and how far the producer gets ahead
+    depends on the machine's load)."""
+
+    def __init__(self, steps: set[int]) -> None:
+        self.steps = steps
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step in self.steps:
+            time.sleep(2.0)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("staleness", [0, 1, 2])
 def test_50_updates_under_random_delays_consume_every_group_whole_within_its_bound(tmp_path, tiny_model_path,
@@ -204,6 +218,7 @@ def test_50_updates_under_random_delays_consume_every_group_whole_within_its_bou
                         per_device_train_batch_size=2, gradient_accumulation_steps=1, steps_per_generation=1,
                         max_env_steps=3, logging_steps=1, log_trajectories=2)
     trainer = scripted_trainer(tiny_model_path, args=config, train_dataset=task_dataset(range(400)))
+    trainer.add_callback(SlowUpdatesAt({10, 30}))  # the producer fills its bound while these updates take 2 s
     watchdog = threading.Timer(540, lambda: trainer.close_producer())  # a hang would end the test, not CI
     watchdog.start()
     try:

@@ -10,18 +10,21 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+import torch
 from scripted_policy import scripted_trainer
 from toy_envs import Corridor, FailsToStart
 from trainer_helpers import cpu_config, settings_config
 
 from gigpo_trl import metric_names
 from gigpo_trl.advantages import compute_gigpo_advantages
+from gigpo_trl.batch import behaviour_metrics
 from gigpo_trl.dialogue import Completion
 from gigpo_trl.dynamic_sampling import SamplingCounts, StdFilterCounts
 from gigpo_trl.env_checker import EnvCheckError, check_env
 from gigpo_trl.env_pool import EnvPool
 from gigpo_trl.metrics import (
-    EnvMetricTotals, PanelEpisode, RolloutSummary, RolloutTimes, panel_metrics, panel_tasks, rollout_metrics,
+    EnvMetricTotals, PanelEpisode, RolloutSummary, RolloutTimes, async_metrics, panel_metrics, panel_tasks,
+    rollout_metrics,
 )
 from gigpo_trl.rollout import collect_rollout
 from gigpo_trl.tasks import Task, task_dataset
@@ -272,11 +275,15 @@ def test_the_metric_names_defined_once_are_the_names_the_metrics_are_logged_unde
                                              std_filter=std_filter, prefill_tokens=10)
     logged = {*rollout_metrics([summary], update_seconds=1.0),
               *panel_metrics([PanelEpisode.of(episode, group_size=2) for episode in rollout.episodes]),
-              *gigpo.stats.as_metrics()}  # its row count, which the rollout's metrics log as env/step_samples
+              *gigpo.stats.as_metrics(),  # its row count, which the rollout's metrics log as env/step_samples
+              *async_metrics([(1, 0, 0.5, 0.0)]),  # a rollout one update old (async_staleness)
+              *behaviour_metrics(torch.ones(2, 3), torch.ones(2, 3), lambda local: local)}
     names = {value for name, value in vars(metric_names).items()
              if name.isupper() and isinstance(value, str) and not name.endswith("PREFIX")}
+    families = {name for name in names if name.endswith("/")}  # a family's names: the prefix + "mean", "min", ...
 
-    assert names - logged == {metric_names.PANEL_UNPLAYED_TASKS, metric_names.GRAD_NORM_SPIKE}
+    assert names - families - logged == {metric_names.PANEL_UNPLAYED_TASKS, metric_names.GRAD_NORM_SPIKE}
+    assert families and all(any(name.startswith(family) for name in logged) for family in families)
 
 
 class MeasuredCorridor(Corridor):
