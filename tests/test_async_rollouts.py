@@ -214,6 +214,8 @@ class SlowUpdatesAt(TrainerCallback):
 @pytest.mark.parametrize("staleness", [0, 1, 2])
 def test_50_updates_under_random_delays_consume_every_group_whole_within_its_bound(tmp_path, tiny_model_path,
                                                                                   staleness):
+    """Issue 89's liveness check: 50 updates (about a minute each case on two cores) are what it takes for random step
+    delays to reorder episodes many times over and for the producer to sit at its bound again and again."""
     config = cpu_config(tmp_path, env_name="slow_corridor", max_steps=50, async_staleness=staleness,
                         per_device_train_batch_size=2, gradient_accumulation_steps=1, steps_per_generation=1,
                         max_env_steps=3, logging_steps=1, log_trajectories=2)
